@@ -1,0 +1,40 @@
+"""speculum: lossless speculative decoding for Hugging Face causal language models.
+
+Quick start::
+
+    import speculum
+    model, tokenizer = speculum.load("default")          # SmolLM2-135M-Instruct, bfloat16
+    out = speculum.generate(model, tokenizer, "Summarize: ...", method="ngram", max_new_tokens=128)
+    print(out.text, out.tok_s, out.mean_accepted)
+"""
+
+from __future__ import annotations
+
+from .engine import Engine, GenerationResult
+from .errors import SpeculumError
+from .methods import METHODS, build_method
+from .models import load
+from .prompts import encode_prompt
+from .sampling import SamplingParams
+from .tree import DraftTree
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DraftTree", "Engine", "GenerationResult", "METHODS", "SamplingParams", "SpeculumError",
+    "build_method", "encode_prompt", "generate", "load",
+]
+
+
+def generate(model, tokenizer, prompt: str, method: str = "ngram", max_new_tokens: int = 128,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+             stop=(), chat: bool | None = None, draft_model=None, draft_tokenizer=None,
+             **options) -> GenerationResult:
+    """Generate a completion of ``prompt`` with ``method`` (see :data:`METHODS`).
+
+    ``chat=None`` applies the tokenizer's chat template when it has one.
+    """
+    params = SamplingParams(temperature, top_k, top_p)
+    runner = build_method(method, model, tokenizer, draft_model, draft_tokenizer, **options)
+    ids = encode_prompt(tokenizer, prompt, chat)
+    return runner.run(ids, max_new_tokens, params, stop, seed)

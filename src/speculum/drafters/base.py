@@ -1,0 +1,35 @@
+"""The drafter interface: one small class per drafting method.
+
+A drafter sees the whole token sequence (prompt + generated; its last token is the *root*, the
+newest committed token) and proposes a :class:`~speculum.tree.DraftTree` of continuations. After
+verification it is told what was accepted so that it can learn (n-gram index, adaptive length,
+draft-model cache position).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ..sampling import SamplingParams
+from ..tree import DraftTree
+from ..verify import Acceptance
+
+
+class Drafter(ABC):
+    """Base class. Subclasses set ``name`` and implement :meth:`propose`."""
+
+    name: str = "drafter"
+
+    def reset(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
+        """Start a new request. ``params`` and ``generator`` are the engine's (for sampled drafts)."""
+        self.params = params
+        self.generator = generator
+
+    @abstractmethod
+    def propose(self, tokens: list[int], budget: int) -> DraftTree:
+        """Draft continuations of ``tokens`` (``tokens[-1]`` is the root) with at most ``budget`` nodes."""
+
+    def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance) -> None:
+        """Called after each step; ``tokens`` already includes the newly committed tokens."""

@@ -1,0 +1,74 @@
+"""``ngram``: prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_tokens``).
+
+The last ``n`` tokens of the sequence are looked up among earlier ``n``-grams of the prompt and
+the generated text; the tokens that followed the match are the draft. Differences from the
+naive scan in transformers:
+
+- An incremental index (``n``-gram -> position after its most recent occurrence), updated with
+  each committed token, so a lookup costs O(max_n) dict probes instead of a scan of the whole
+  sequence every step.
+- Longest ``n`` first, and among occurrences of the same ``n``-gram the most recent one: recent
+  text is the best predictor of what is being copied right now.
+- Adaptive draft length: drafting grows by ``grow`` tokens while whole drafts are accepted and
+  falls back to ``accepted + grow`` after a rejection, within ``[min_draft, max_draft]``. A
+  one-token match (``n = 1``) is weak evidence, so its draft is capped at ``unigram_draft``.
+"""
+
+from __future__ import annotations
+
+from ..tree import DraftTree
+from ..verify import Acceptance
+from .base import Drafter
+
+
+class NgramDrafter(Drafter):
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 12, min_draft: int = 2,
+                 grow: int = 2, unigram_draft: int = 4, adaptive: bool = True):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        if not 1 <= min_draft <= max_draft:
+            raise ValueError("need 1 <= min_draft <= max_draft")
+        self.sizes = list(range(max_ngram, min_ngram - 1, -1))
+        self.max_draft, self.min_draft, self.grow = max_draft, min_draft, grow
+        self.unigram_draft, self.adaptive = unigram_draft, adaptive
+
+    def reset(self, prompt_ids, params, generator):
+        super().reset(prompt_ids, params, generator)
+        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.indexed = 0  # continuation starts < indexed are in the index
+        self.draft_len = self.max_draft
+
+    def _index_upto(self, tokens: list[int]) -> None:
+        """Index every n-gram whose continuation start ``i`` satisfies ``indexed <= i < len(tokens)``."""
+        for i in range(max(self.indexed, 1), len(tokens)):
+            for n in self.sizes:
+                if i >= n:
+                    self.index[n][tuple(tokens[i - n:i])] = i
+        self.indexed = len(tokens)
+
+    def propose(self, tokens: list[int], budget: int) -> DraftTree:
+        # The suffix n-gram itself ends at len(tokens); it is indexed only once a token follows it,
+        # so a lookup finds an earlier occurrence.
+        self._index_upto(tokens)
+        length = len(tokens)
+        for n in self.sizes:
+            if n > length:
+                continue
+            start = self.index[n].get(tuple(tokens[length - n:]))
+            if start is None:
+                continue
+            k = self.draft_len if n > 1 else min(self.draft_len, self.unigram_draft)
+            k = min(k, budget)
+            return DraftTree.chain(tokens[start:start + k])
+        return DraftTree()
+
+    def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance) -> None:
+        if not self.adaptive or len(tree) == 0:
+            return
+        accepted = len(acceptance.path)
+        if accepted == len(tree):
+            self.draft_len = min(self.max_draft, self.draft_len + self.grow)
+        else:
+            self.draft_len = max(self.min_draft, min(self.max_draft, accepted + self.grow))

@@ -1,0 +1,241 @@
+"""The decode loop: prefill, then propose -> verify -> accept -> commit -> update until a stop.
+
+The engine knows no method by name: a :class:`~speculum.drafters.base.Drafter` proposes a
+:class:`~speculum.tree.DraftTree`, the :class:`~speculum.runner.HFRunner` scores ``[root] + tree``
+in one forward pass, the :class:`~speculum.verify.Verifier` picks the accepted path and the bonus
+token, and the :class:`~speculum.cache.KVCache` keeps the accepted entries.
+
+Cache invariant: every committed token except the newest (the *root*) has its KV entry in the
+cache. Prefill therefore runs over ``prompt[:-1]`` and each step feeds the root first.
+
+Stops: an EOS token, ``max_new_tokens``, a stop string or the model's context length. A stop
+inside an accepted draft ends generation exactly there: later accepted tokens are discarded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .drafters.base import Drafter
+from .errors import SpeculumError
+from .runner import HFRunner
+from .sampling import SamplingParams
+from .verify import Verifier
+
+
+@dataclass
+class StepStats:
+    """One target forward: how many tokens were drafted and accepted, and where the time went."""
+
+    drafted: int
+    accepted: int  # drafted tokens accepted (the bonus token is not counted)
+    committed: int  # tokens added to the output by this step (accepted + bonus, after stop truncation)
+    draft_s: float
+    verify_s: float
+    other_s: float
+
+
+@dataclass
+class GenerationResult:
+    prompt_tokens: int
+    tokens: list[int]  # generated token ids (an EOS that ended generation included)
+    text: str  # generated text, stop string excluded
+    finish_reason: str  # "eos" | "length" | "stop" | "context"
+    time_s: float  # prefill + decode wall time
+    prefill_s: float
+    forwards: int  # target forward passes that produced tokens (engine: one per step)
+    steps: list[StepStats] = field(default_factory=list)  # per-step detail (engine methods only)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tok_s(self) -> float:
+        return self.new_tokens / self.time_s if self.time_s > 0 else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens committed per target forward pass (1.0 for plain decoding)."""
+        return self.new_tokens / self.forwards if self.forwards else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "new_tokens": self.new_tokens,
+            "time_s": round(self.time_s, 4),
+            "tok_s": round(self.tok_s, 3),
+            "mean_accepted": round(self.mean_accepted, 4),
+            "steps": self.forwards,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "drafted": sum(s.drafted for s in self.steps),
+            "accepted": sum(s.accepted for s in self.steps),
+            "time_draft_s": round(sum(s.draft_s for s in self.steps), 4),
+            "time_verify_s": round(sum(s.verify_s for s in self.steps), 4),
+            "time_other_s": round(sum(s.other_s for s in self.steps), 4),
+        }
+
+
+class _StopChecker:
+    """Finds where generation must end inside a freshly committed run of tokens."""
+
+    def __init__(self, tokenizer, eos_ids: set[int], stop: Sequence[str]):
+        self.tokenizer, self.eos_ids, self.stop = tokenizer, eos_ids, [s for s in stop if s]
+        if self.stop and tokenizer is None:
+            raise SpeculumError("stop strings need a tokenizer")
+
+    def text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer else ""
+
+    def check(self, generated: list[int], new_from: int) -> tuple[int, str | None]:
+        """Return ``(keep, reason)``: keep ``generated[:keep]``; reason is None when nothing stops."""
+        for i in range(new_from, len(generated)):
+            if generated[i] in self.eos_ids:
+                generated_upto = i + 1
+                return (self._stop_in(generated[:generated_upto], new_from) or (generated_upto, "eos"))
+        return self._stop_in(generated, new_from) or (len(generated), None)
+
+    def _stop_in(self, generated: list[int], new_from: int) -> tuple[int, str] | None:
+        if not self.stop:
+            return None
+        text = self.text(generated)
+        if not any(s in text for s in self.stop):
+            return None
+        # the shortest prefix whose text contains a stop string (it ends inside the new tokens)
+        for k in range(max(new_from, 1), len(generated) + 1):
+            t = self.text(generated[:k])
+            if any(s in t for s in self.stop):
+                return k, "stop"
+        return None
+
+    def final_text(self, generated: list[int], reason: str) -> str:
+        text = self.text(generated)
+        if reason == "stop":
+            cut = min(text.find(s) for s in self.stop if s in text)
+            text = text[:cut]
+        return text
+
+
+class Engine:
+    """Speculative decoding with one target model and one drafter.
+
+    Args:
+        runner: the target model's runner (or a ``transformers`` model, wrapped in ``HFRunner``).
+        drafter: proposes draft trees; ``AutoregressiveDrafter`` gives plain decoding.
+        tokenizer: needed for stop strings and ``text`` in results.
+        max_tree: upper bound on drafted nodes per step.
+    """
+
+    def __init__(self, runner, drafter: Drafter, tokenizer=None, eos_token_ids: Sequence[int] | None = None,
+                 max_tree: int = 64):
+        self.runner = runner if not isinstance(runner, torch.nn.Module) else HFRunner(runner)
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        self.max_tree = max_tree
+        if eos_token_ids is None:
+            eos_token_ids = default_eos_ids(getattr(self.runner, "model", None), tokenizer)
+        self.eos_ids = set(eos_token_ids)
+
+    def stream(self, prompt_ids: Sequence[int], max_new_tokens: int = 128,
+               sampling: SamplingParams | None = None, stop: Sequence[str] = (), seed: int | None = None,
+               ) -> Iterator[list[int]]:
+        """Yield lists of newly committed token ids; ``return`` the :class:`GenerationResult`.
+
+        Use :meth:`generate` unless you need the tokens as they are accepted.
+        """
+        sampling = sampling or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        self._validate(prompt, max_new_tokens)
+        gen = None
+        if not sampling.greedy:
+            gen = torch.Generator(device=self.runner.device)
+            gen.manual_seed(seed if seed is not None else int(torch.seed() % (1 << 62)))
+        verifier = Verifier(sampling, gen)
+        stops = _StopChecker(self.tokenizer, self.eos_ids, stop)
+        max_len = self.runner.max_positions
+
+        t0 = time.perf_counter()
+        cache = self.runner.new_cache(len(prompt) + max_new_tokens + self.max_tree + 1)
+        self.runner.prefill(cache, prompt[:-1])
+        self.drafter.reset(prompt, sampling, gen)
+        prefill_s = time.perf_counter() - t0
+
+        tokens = list(prompt)
+        generated: list[int] = []
+        steps: list[StepStats] = []
+        reason = None
+        while reason is None:
+            t_a = time.perf_counter()
+            room = min(self.max_tree, max_new_tokens - len(generated) - 1, max_len - len(tokens) - 1)
+            tree = self.drafter.propose(tokens, max(room, 0))
+            if len(tree) > max(room, 0):
+                raise RuntimeError(f"{self.drafter.name} drafted {len(tree)} nodes with a budget of {room}")
+            t_b = time.perf_counter()
+            logits = self.runner.forward_tree(cache, tokens[-1], tree)
+            acc = verifier.accept(tree, logits)
+            t_c = time.perf_counter()
+            cache.commit([0] + [i + 1 for i in acc.path])
+            before = len(generated)
+            generated.extend(acc.tokens)
+            keep, reason = stops.check(generated, before)
+            if keep > max_new_tokens:
+                keep, reason = max_new_tokens, "length"
+            elif reason is None and keep == max_new_tokens:
+                reason = "length"
+            del generated[keep:]
+            new = generated[before:]
+            tokens.extend(new)
+            if reason is None and len(tokens) >= max_len:
+                reason = "context"
+            if reason is None:
+                self.drafter.update(tokens, tree, acc)
+            t_d = time.perf_counter()
+            steps.append(StepStats(len(tree), len(acc.path), len(new), t_b - t_a, t_c - t_b, t_d - t_c))
+            if new:
+                yield new
+        total = time.perf_counter() - t0
+        return GenerationResult(len(prompt), generated, stops.final_text(generated, reason), reason,
+                                total, prefill_s, len(steps), steps)
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 128,
+                 sampling: SamplingParams | None = None, stop: Sequence[str] = (), seed: int | None = None,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        """Run to a stop and return the result; ``on_tokens`` receives each committed chunk."""
+        it = self.stream(prompt_ids, max_new_tokens, sampling, stop, seed)
+        while True:
+            try:
+                chunk = next(it)
+            except StopIteration as done:
+                return done.value
+            if on_tokens is not None:
+                on_tokens(chunk)
+
+    def _validate(self, prompt: list[int], max_new_tokens: int) -> None:
+        if not prompt:
+            raise SpeculumError("the prompt is empty")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise SpeculumError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+        if len(prompt) >= self.runner.max_positions:
+            raise SpeculumError(
+                f"the prompt has {len(prompt)} tokens but the model's context is {self.runner.max_positions}"
+            )
+        vocab = self.runner.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise SpeculumError(f"prompt token ids must lie in [0, {vocab})")
+
+
+def default_eos_ids(model, tokenizer) -> list[int]:
+    """EOS ids from the model's generation config and the tokenizer, merged."""
+    ids: set[int] = set()
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None)
+    if eos is not None:
+        ids.update([eos] if isinstance(eos, int) else eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)

@@ -1,0 +1,139 @@
+"""Decoding methods by name: speculum's engine methods and transformers' reference baselines.
+
+Every method has ``run(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens) ->
+GenerationResult`` so that the CLI and the benchmark treat them alike.
+
+=============== ==================================================================================
+``ar``          plain decoding through speculum's engine (the baseline for ``speedup_vs_ar``)
+``ngram``       prompt lookup with an incremental index and adaptive draft length
+``draft_model`` a smaller model with the same tokenizer drafts chains (needs ``draft_model=``)
+``hf``          ``model.generate`` (transformers' own plain decoding; ``speedup_vs_hf``)
+``hf_pld``      ``model.generate(prompt_lookup_num_tokens=10)``
+``hf_assisted`` ``model.generate(assistant_model=draft)`` (needs ``draft_model=``)
+=============== ==================================================================================
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .drafters.ar import AutoregressiveDrafter
+from .drafters.draft_model import DraftModelDrafter, check_same_tokenizer
+from .drafters.ngram import NgramDrafter
+from .engine import Engine, GenerationResult, default_eos_ids
+from .errors import SpeculumError
+from .runner import HFRunner
+from .sampling import SamplingParams
+
+ENGINE_METHODS = ("ar", "ngram", "draft_model")
+HF_METHODS = ("hf", "hf_pld", "hf_assisted")
+METHODS = ENGINE_METHODS + HF_METHODS
+NEEDS_DRAFT = ("draft_model", "hf_assisted")
+
+
+class EngineMethod:
+    """A speculum engine with one drafter."""
+
+    def __init__(self, name: str, engine: Engine):
+        self.name, self.engine = name, engine
+
+    def run(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+            stop: Sequence[str] = (), seed: int | None = None,
+            on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        return self.engine.generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens)
+
+
+class HFMethod:
+    """transformers ``generate`` as a reference; counts target forward passes with a hook."""
+
+    def __init__(self, name: str, model, tokenizer, assistant=None, prompt_lookup: int | None = None):
+        self.name, self.model, self.tokenizer = name, model, tokenizer
+        self.assistant, self.prompt_lookup = assistant, prompt_lookup
+        self.eos_ids = default_eos_ids(model, tokenizer)
+        self._calls = 0
+        model.register_forward_hook(self._count)
+
+    def _count(self, *args):
+        self._calls += 1
+
+    def run(self, prompt_ids, max_new_tokens=128, sampling=None, stop=(), seed=None, on_tokens=None):
+        from transformers import GenerationConfig
+
+        sampling = sampling or SamplingParams()
+        if not prompt_ids:
+            raise SpeculumError("the prompt is empty")
+        cfg = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            do_sample=not sampling.greedy,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
+            else self.eos_ids[0],
+        )
+        if not sampling.greedy:
+            cfg.temperature, cfg.top_k, cfg.top_p = sampling.temperature, sampling.top_k or None, sampling.top_p
+        if self.prompt_lookup:
+            cfg.prompt_lookup_num_tokens = self.prompt_lookup
+        if stop:
+            cfg.stop_strings = list(stop)
+        kwargs = {"generation_config": cfg, "tokenizer": self.tokenizer}
+        if self.assistant is not None:
+            kwargs["assistant_model"] = self.assistant
+        if seed is not None:
+            torch.manual_seed(seed)
+        device = next(self.model.parameters()).device
+        ids = torch.tensor([list(prompt_ids)], device=device)
+        self._calls = 0
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        elapsed = time.perf_counter() - t0
+        new = out[0, ids.shape[1]:].tolist()
+        reason = "eos" if new and new[-1] in self.eos_ids else "length"
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        if stop and any(s in text for s in stop):
+            reason = "stop"
+            text = text[:min(text.find(s) for s in stop if s in text)]
+        if on_tokens is not None:
+            on_tokens(new)
+        return GenerationResult(len(prompt_ids), new, text, reason, elapsed, 0.0, self._calls)
+
+
+def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=None,
+                 runner: HFRunner | None = None, **options):
+    """Make the method ``name`` for ``model``.
+
+    Args:
+        draft_model / draft_tokenizer: for ``draft_model`` and ``hf_assisted``.
+        runner: share one target runner between several engine methods.
+        options: drafter settings, e.g. ``max_draft=12`` for ``ngram``, ``num_draft=4`` for
+            ``draft_model``, ``max_tree`` for the engine.
+    """
+    if name not in METHODS:
+        raise SpeculumError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    if name in NEEDS_DRAFT:
+        if draft_model is None:
+            raise SpeculumError(f"method {name!r} needs a draft model (--draft-model)")
+        check_same_tokenizer(tokenizer, draft_tokenizer)
+        if name == "draft_model":
+            tw = model.get_output_embeddings().weight.shape[0]
+            dw = draft_model.get_output_embeddings().weight.shape[0]
+            if tw != dw:
+                raise SpeculumError(f"draft model's logits are {dw} wide, the target's {tw}: not the same vocabulary")
+    if name == "hf":
+        return HFMethod(name, model, tokenizer)
+    if name == "hf_pld":
+        return HFMethod(name, model, tokenizer, prompt_lookup=options.get("prompt_lookup_num_tokens", 10))
+    if name == "hf_assisted":
+        return HFMethod(name, model, tokenizer, assistant=draft_model)
+    max_tree = options.pop("max_tree", 64)
+    if name == "ar":
+        drafter = AutoregressiveDrafter()
+    elif name == "ngram":
+        drafter = NgramDrafter(**options)
+    else:
+        drafter = DraftModelDrafter(draft_model, **options)
+    engine = Engine(runner or HFRunner(model), drafter, tokenizer, max_tree=max_tree)
+    return EngineMethod(name, engine)

@@ -1,0 +1,157 @@
+"""Runners turn (token ids, positions, tree mask, cache) into logits.
+
+:class:`HFRunner` drives any transformers causal LM through ``past_key_values`` (our
+:class:`~speculum.cache.KVCache`) and explicit 4-D attention masks, so it verifies trees as well
+as chains. Two things make it faster than ``model.generate`` on a CPU:
+
+- the cache writes in place (no per-step ``torch.cat`` of every layer's keys and values);
+- attention for grouped-query models runs on the KV heads directly: the query heads that share
+  a KV head are folded into the query-length axis (``[1, H, n, D] -> [1, H_kv, g*n, D]``), so
+  verifying ``n`` tokens never materialises ``repeat_kv`` copies of the cache, which transformers
+  does whenever a mask is present.
+
+Masks: the cache part of every row is visible except, on sliding-window layers, keys more than
+``window - 1`` positions behind the query (transformers' rule ``kv_pos > q_pos - window``); the
+new part is the tree's ancestor mask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol
+
+import torch
+from transformers import AttentionInterface
+
+from .cache import KVCache
+from .tree import DraftTree
+
+_ATTN_NAME = "speculum_sdpa"
+
+
+def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention on the KV heads without repeating them.
+
+    Shapes: query ``[1, H, n, D]``, key/value ``[1, H_kv, L, D]``, mask ``[1, 1, n, L]`` bool or
+    None. Returns ``[1, n, H, D]`` like transformers' attention functions.
+    """
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention soft-capping is not supported by the speculum runner")
+    b, h, n, d = query.shape
+    hkv = key.shape[1]
+    g = h // hkv
+    q = query.reshape(b, hkv, g * n, d)  # heads h = kv*g + j, rows j*n + i
+    mask = attention_mask
+    if mask is not None and g > 1:
+        mask = mask.repeat(1, 1, g, 1)  # [1, 1, g*n, L]: row j*n + i is query i's mask
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, h, n, value.shape[-1]).transpose(1, 2), None
+
+
+AttentionInterface.register(_ATTN_NAME, _gqa_sdpa)
+
+
+class Runner(Protocol):
+    """What the engine needs from a model."""
+
+    vocab_size: int  # width of the logits (may exceed the tokenizer's vocabulary)
+    device: torch.device
+    max_positions: int
+
+    def new_cache(self, capacity: int) -> KVCache: ...
+
+    def prefill(self, cache: KVCache, token_ids: list[int]) -> None: ...
+
+    def forward_tree(self, cache: KVCache, root: int, tree: DraftTree) -> torch.Tensor: ...
+
+
+class HFRunner:
+    """Runner for a transformers ``*ForCausalLM`` (decoder-only, rotary positions)."""
+
+    def __init__(self, model: torch.nn.Module, prefill_chunk: int = 512):
+        self.model = model
+        cfg = model.config
+        self.config = cfg
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_positions = getattr(cfg, "max_position_embeddings", 1 << 20)
+        self.num_layers = cfg.num_hidden_layers
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        layer_types = getattr(cfg, "layer_types", None) or []
+        self.sliding_window = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
+        self.uses_mask_mapping = bool(layer_types) and len(set(layer_types)) > 1 or self.sliding_window
+        self.prefill_chunk = prefill_chunk
+
+    def new_cache(self, capacity: int = 1024) -> KVCache:
+        return KVCache(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device, capacity)
+
+    @contextlib.contextmanager
+    def _our_attention(self):
+        cfg = self.config
+        old = cfg._attn_implementation
+        cfg._attn_implementation = _ATTN_NAME
+        try:
+            yield
+        finally:
+            cfg._attn_implementation = old
+
+    def _masks(self, cache_len: int, positions: torch.Tensor, new_mask: torch.Tensor | None):
+        """Build the attention mask argument for ``n`` new tokens after ``cache_len`` cached ones.
+
+        Args:
+            positions: ``[n]`` positions of the new tokens.
+            new_mask: ``[n, n]`` bool among the new tokens (True = visible), or None for causal.
+        Returns None (attend to everything), a ``[1, 1, n, cache_len + n]`` bool tensor, or a dict
+        ``{"full_attention": ..., "sliding_attention": ...}`` for models with mixed layers.
+        """
+        n = positions.shape[0]
+        dev = self.device
+        if new_mask is None and n > 1:
+            new_mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+        full = None
+        if new_mask is not None:
+            full = torch.cat([torch.ones(n, cache_len, dtype=torch.bool, device=dev), new_mask.to(dev)], dim=1)
+        if not self.uses_mask_mapping:
+            return None if full is None else full[None, None]
+        sliding = None
+        if self.sliding_window is not None and int(positions.max()) - self.sliding_window >= 0:
+            key_pos = torch.cat([torch.arange(cache_len, device=dev), positions])
+            in_window = key_pos[None, :] > positions[:, None] - self.sliding_window  # [n, L]
+            sliding = in_window if full is None else (full & in_window)
+        else:
+            sliding = full
+        wrap = (lambda m: None if m is None else m[None, None])
+        return {"full_attention": wrap(full), "sliding_attention": wrap(sliding)}
+
+    def _forward(self, cache: KVCache, ids: list[int], positions: torch.Tensor,
+                 new_mask: torch.Tensor | None, logits_to_keep: int) -> torch.Tensor:
+        input_ids = torch.tensor([ids], device=self.device)
+        mask = self._masks(cache.length, positions, new_mask)
+        with torch.inference_mode(), self._our_attention():
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions[None],
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+        return out.logits[0]
+
+    def prefill(self, cache: KVCache, token_ids: list[int]) -> None:
+        """Commit ``token_ids`` to the cache (in chunks, to bound the attention's memory)."""
+        cache.reserve(cache.length + len(token_ids))
+        for start in range(0, len(token_ids), self.prefill_chunk):
+            chunk = token_ids[start:start + self.prefill_chunk]
+            pos = torch.arange(cache.length, cache.length + len(chunk), device=self.device)
+            self._forward(cache, chunk, pos, None, logits_to_keep=1)
+            cache.commit()
+
+    def forward_tree(self, cache: KVCache, root: int, tree: DraftTree) -> torch.Tensor:
+        """Logits ``[n + 1, V]`` for ``[root] + tree.tokens``; their KV entries are left pending."""
+        depth = torch.tensor([0] + tree.depths(), device=self.device)
+        positions = depth + cache.length
+        new_mask = None if tree.is_chain else tree.ancestor_mask(self.device)
+        return self._forward(cache, [root] + tree.tokens, positions, new_mask, logits_to_keep=0)

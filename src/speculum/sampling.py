@@ -1,0 +1,57 @@
+"""Sampling parameters: the one object that turns target logits into the distribution p.
+
+Plain decoding and speculative verification both call :meth:`SamplingParams.probs`, so a
+speculative method samples from exactly the same p as plain sampling does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import SpeculumError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature == 0`` means greedy decoding; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) \
+                or self.temperature < 0:
+            raise SpeculumError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SpeculumError(f"top_k must be an integer >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SpeculumError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[..., V]`` logits -> ``[..., V]`` float32 probabilities after temperature, top-k and top-p.
+
+        Greedy parameters give a one-hot on the argmax.
+        """
+        logits = logits.float()
+        if self.greedy:
+            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        logits = logits / self.temperature
+        if self.top_k and self.top_k < logits.shape[-1]:
+            kth = torch.topk(logits, self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, -math.inf)
+        if self.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+            sorted_probs = sorted_logits.softmax(-1)
+            # drop a token when the tokens ranked above it already reach top_p
+            drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= self.top_p
+            drop = drop_sorted.scatter(-1, order, drop_sorted)
+            logits = logits.masked_fill(drop, -math.inf)
+        return logits.softmax(-1)
