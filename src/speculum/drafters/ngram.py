@@ -25,7 +25,8 @@ class NgramDrafter(Drafter):
     name = "ngram"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 12, min_draft: int = 2,
-                 grow: int = 2, unigram_draft: int = 4, adaptive: bool = True):
+                 grow: int = 2, unigram_draft: int = 4, adaptive: bool = True, prefer: str = "recent",
+                 per_ngram: float = 0.0):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         if not 1 <= min_draft <= max_draft:
@@ -33,6 +34,9 @@ class NgramDrafter(Drafter):
         self.sizes = list(range(max_ngram, min_ngram - 1, -1))
         self.max_draft, self.min_draft, self.grow = max_draft, min_draft, grow
         self.unigram_draft, self.adaptive = unigram_draft, adaptive
+        if prefer not in ("recent", "first"):
+            raise ValueError("prefer must be 'recent' or 'first'")
+        self.prefer, self.per_ngram = prefer, per_ngram
 
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
@@ -45,7 +49,10 @@ class NgramDrafter(Drafter):
         for i in range(max(self.indexed, 1), len(tokens)):
             for n in self.sizes:
                 if i >= n:
-                    self.index[n][tuple(tokens[i - n:i])] = i
+                    if self.prefer == "recent":
+                        self.index[n][tuple(tokens[i - n:i])] = i
+                    else:
+                        self.index[n].setdefault(tuple(tokens[i - n:i]), i)
         self.indexed = len(tokens)
 
     def propose(self, tokens: list[int], budget: int) -> DraftTree:
@@ -60,6 +67,8 @@ class NgramDrafter(Drafter):
             if start is None:
                 continue
             k = self.draft_len if n > 1 else min(self.draft_len, self.unigram_draft)
+            if self.per_ngram:
+                k = min(k, max(self.min_draft, int(self.per_ngram * n)))
             k = min(k, budget)
             return DraftTree.chain(tokens[start:start + k])
         return DraftTree()

@@ -1,0 +1,179 @@
+"""``speculum`` command line: ``generate`` and ``bench``.
+
+User mistakes (unknown model or method, bad parameters, empty prompt, ...) print one line
+``speculum: error: ...`` and exit with status 2; they never show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from .errors import SpeculumError
+from .methods import ENGINE_METHODS, HF_METHODS, METHODS
+
+DEFAULT_BENCH_METHODS = "hf,hf_pld,ar,ngram"
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct, packaged), 'gemma3' (Gemma-3-270M base, packaged), "
+                        "a .gguf file, a local Hugging Face directory or a hub id (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, fastest on CPU), float32 or float16")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model for the draft_model and hf_assisted methods (same tokenizer as --model)")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="apply the tokenizer's chat template (default when it has one)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="feed the prompt as raw text")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="speculum",
+        description="Lossless speculative decoding for Hugging Face causal LMs: same output as plain "
+                    "decoding, fewer target forward passes.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text for one prompt (streamed)",
+                       description="Generate a completion, streaming tokens as they are accepted.")
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--method", default="ngram",
+                   help=f"decoding method: {', '.join(METHODS)} (default: %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="(default: %(default)s)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not included in the output")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, new_tokens, time_s, tok_s, mean_accepted, steps) instead")
+    _add_model_args(g)
+
+    b = sub.add_parser("bench", help="benchmark methods on Spec-Bench-format prompts",
+                       description="Run several methods on the same prompts, interleaved, after a warm-up; "
+                                   "write results.json, results.md and speedup.png.")
+    b.add_argument("--data", default=None,
+                   help="Spec-Bench JSONL file (default: the small prompt set bundled with speculum)")
+    b.add_argument("--per-task", type=int, default=None, help="first N prompts of each task (default: all)")
+    b.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
+    b.add_argument("--methods", default=DEFAULT_BENCH_METHODS,
+                   help=f"comma-separated subset of {', '.join(METHODS)} (default: %(default)s)")
+    b.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
+    b.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _add_model_args(b)
+    return parser
+
+
+def _sampling(args):
+    from .sampling import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_k, args.top_p)
+
+
+def _load(args):
+    from .models import load
+
+    model, tok = load(args.model, args.dtype, args.device)
+    draft = draft_tok = None
+    if args.draft_model:
+        draft, draft_tok = load(args.draft_model, args.dtype, args.device)
+    return model, tok, draft, draft_tok
+
+
+def cmd_generate(args) -> int:
+    from .methods import build_method
+    from .prompts import encode_prompt
+
+    if args.method not in METHODS:
+        raise SpeculumError(f"unknown method {args.method!r}; choose from {', '.join(METHODS)}")
+    if args.max_new_tokens < 1:
+        raise SpeculumError("--max-new-tokens must be at least 1")
+    sampling = _sampling(args)
+    model, tok, draft, draft_tok = _load(args)
+    method = build_method(args.method, model, tok, draft, draft_tok)
+    ids = encode_prompt(tok, args.prompt, args.chat)
+
+    generated: list[int] = []
+    shown = 0
+
+    def stream(chunk: list[int]) -> None:
+        nonlocal shown
+        generated.extend(chunk)
+        text = tok.decode(generated, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        hold = max((len(s) for s in args.stop), default=1) - 1  # never print the start of a stop string
+        safe = len(text) - hold
+        if safe > shown:
+            sys.stdout.write(text[shown:safe])
+            sys.stdout.flush()
+            shown = safe
+
+    result = method.run(ids, args.max_new_tokens, sampling, args.stop, args.seed,
+                        None if args.json else stream)
+    if args.json:
+        print(json.dumps(result.to_dict(), ensure_ascii=False))
+    else:
+        sys.stdout.write(result.text[shown:] + "\n")
+        print(f"[{result.new_tokens} tokens, {result.tok_s:.1f} tok/s, {result.mean_accepted:.2f} tokens/step, "
+              f"{result.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench.data import demo_prompts_path, load_prompts
+    from .bench.harness import bench_meta, run_benchmark, write_outputs
+    from .bench.report import markdown_table
+    from .models import parse_dtype
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise SpeculumError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; "
+                            f"choose from {', '.join(ENGINE_METHODS + HF_METHODS)}")
+    if len(set(methods)) != len(methods):
+        raise SpeculumError("--methods lists a method twice")
+    if args.max_new_tokens < 1:
+        raise SpeculumError("--max-new-tokens must be at least 1")
+    parse_dtype(args.dtype)
+    sampling = _sampling(args)
+    prompts = load_prompts(args.data or demo_prompts_path(), args.per_task)
+    model, tok, draft, draft_tok = _load(args)
+    results, records = run_benchmark(model, tok, prompts, methods, args.max_new_tokens, sampling, args.chat,
+                                     draft, draft_tok, seed=args.seed or 0, progress=not args.no_progress)
+    device = next(model.parameters()).device
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    out = write_outputs(args.out, results, records, bench_meta(model, args.dtype, device, settings))
+    print(markdown_table({**bench_meta(model, args.dtype, device, settings), **results}))
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'speedup.png'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="speculum: %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        handler = {"generate": cmd_generate, "bench": cmd_bench}[args.command]
+        return handler(args)
+    except SpeculumError as e:
+        print(f"speculum: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("speculum: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
