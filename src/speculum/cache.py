@@ -43,6 +43,7 @@ class KVCache(Cache):
         self.reserve(capacity)
 
     # -- storage ---------------------------------------------------------------------------
+    @torch.inference_mode()
     def reserve(self, capacity: int) -> None:
         """Make room for ``capacity`` entries (grows by doubling, keeps the committed ones)."""
         if capacity <= self.capacity:
@@ -86,6 +87,7 @@ class KVCache(Cache):
         return self.num_layers
 
     # -- engine operations -------------------------------------------------------------------
+    @torch.inference_mode()
     def commit(self, keep: list[int] | None = None) -> None:
         """Commit pending entries: all of them (``keep=None``) or those at indices ``keep``.
 

@@ -129,10 +129,12 @@ class Engine:
         drafter: proposes draft trees; ``AutoregressiveDrafter`` gives plain decoding.
         tokenizer: needed for stop strings and ``text`` in results.
         max_tree: upper bound on drafted nodes per step.
+        verifier_cls: the acceptance rule (tests swap in deliberately broken ones).
     """
 
     def __init__(self, runner, drafter: Drafter, tokenizer=None, eos_token_ids: Sequence[int] | None = None,
-                 max_tree: int = 64):
+                 max_tree: int = 64, verifier_cls: type[Verifier] = Verifier):
+        self.verifier_cls = verifier_cls
         self.runner = runner if not isinstance(runner, torch.nn.Module) else HFRunner(runner)
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -155,7 +157,7 @@ class Engine:
         if not sampling.greedy:
             gen = torch.Generator(device=self.runner.device)
             gen.manual_seed(seed if seed is not None else int(torch.seed() % (1 << 62)))
-        verifier = Verifier(sampling, gen)
+        verifier = self.verifier_cls(sampling, gen)
         stops = _StopChecker(self.tokenizer, self.eos_ids, stop)
         max_len = self.runner.max_positions
 

@@ -1,0 +1,119 @@
+"""Shared fixtures: tiny random-weight models (Llama and Gemma-3 shapes) and the packaged real models."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from speculum.drafters.base import Drafter
+from speculum.tree import DraftTree
+
+TINY_VOCAB = 96
+
+
+def tiny_llama(seed: int = 0, vocab: int = TINY_VOCAB, layers: int = 2, logit_scale: float = 1.0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False, attn_implementation="sdpa", bos_token_id=0,
+                      eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def tiny_gemma3(seed: int = 0, vocab: int = TINY_VOCAB, window: int = 8):
+    """Gemma-3 text model with sliding-window layers whose window (8) is far shorter than the tests' sequences."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=window,
+                           layer_types=["sliding_attention", "sliding_attention", "sliding_attention",
+                                        "full_attention"],
+                           max_position_embeddings=256, attn_implementation="sdpa", eos_token_id=None,
+                           pad_token_id=None, bos_token_id=None)
+    model = Gemma3ForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="session", params=["llama", "gemma3"])
+def tiny_model(request):
+    return tiny_llama() if request.param == "llama" else tiny_gemma3()
+
+
+class OracleDrafter(Drafter):
+    """Drafts from a known reference continuation, corrupted at random: exercises every acceptance length.
+
+    ``shape="chain"`` drafts chains of random length in ``[1, max_len]``; ``shape="tree"`` hangs random
+    sibling branches around the (possibly corrupted) reference path.
+    """
+
+    name = "oracle"
+
+    def __init__(self, reference: list[int], vocab: int, max_len: int = 16, shape: str = "chain", seed: int = 0):
+        self.reference, self.vocab, self.max_len, self.shape = reference, vocab, max_len, shape
+        self.rng = random.Random(seed)
+
+    def _truth(self, tokens: list[int], k: int) -> list[int]:
+        pos = len(tokens)
+        truth = list(self.reference[pos:pos + k])
+        truth += [self.rng.randrange(self.vocab) for _ in range(k - len(truth))]
+        if truth and self.rng.random() < 0.6:  # corrupt one position
+            j = self.rng.randrange(len(truth))
+            truth[j] = (truth[j] + 1 + self.rng.randrange(self.vocab - 1)) % self.vocab
+        return truth
+
+    def propose(self, tokens: list[int], budget: int) -> DraftTree:
+        k = min(self.rng.randint(1, self.max_len), budget)
+        if k <= 0:
+            return DraftTree()
+        if self.shape == "chain":
+            return DraftTree.chain(self._truth(tokens, k))
+        path = self._truth(tokens, k)
+        toks, parents = [], []
+        prev = -1
+        for depth, t in enumerate(path):
+            # random siblings before and after the path node
+            for _ in range(self.rng.randrange(3)):
+                if len(toks) < budget - (len(path) - depth):
+                    toks.append(self.rng.randrange(self.vocab))
+                    parents.append(prev)
+            toks.append(t)
+            parents.append(prev)
+            prev = len(toks) - 1
+            if self.rng.random() < 0.3 and len(toks) < budget - (len(path) - depth - 1):
+                toks.append(self.rng.randrange(self.vocab))
+                parents.append(parents[-1])
+        return DraftTree(toks[:budget], parents[:budget])
+
+
+class CharTokenizer:
+    """A stand-in tokenizer for stop-string tests: token i decodes to the letter ``a + i % 26``."""
+
+    eos_token_id = None
+    pad_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32():
+    import speculum
+
+    return speculum.load("default", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def gemma3_f32():
+    import speculum
+
+    return speculum.load("gemma3", dtype="float32")
