@@ -1,0 +1,114 @@
+"""Speculative sampling keeps the target's distribution exactly (chi-square tests on a tiny model).
+
+The exact joint distribution of the first two generated tokens is computed from the model; the
+engine's samples are compared with it. A verifier that skips the residual resampling must fail.
+"""
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import tiny_llama
+from speculum.drafters.ar import AutoregressiveDrafter
+from speculum.drafters.base import Drafter
+from speculum.drafters.draft_model import DraftModelDrafter
+from speculum.engine import Engine
+from speculum.runner import HFRunner
+from speculum.sampling import SamplingParams
+from speculum.tree import DraftTree
+from speculum.verify import Verifier
+
+VOCAB = 8
+PROMPT = [1, 5, 2]
+PARAMS = SamplingParams(temperature=0.9, top_k=6, top_p=0.97)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=3, vocab=VOCAB, logit_scale=8.0)
+
+
+def exact_joint(model) -> dict[tuple[int, int], float]:
+    with torch.no_grad():
+        p1 = PARAMS.probs(model(torch.tensor([PROMPT])).logits[0, -1])
+        seqs = torch.tensor([PROMPT + [a] for a in range(VOCAB)])
+        p2 = PARAMS.probs(model(seqs).logits[:, -1])
+    return {(a, b): float(p1[a] * p2[a, b]) for a in range(VOCAB) for b in range(VOCAB)}
+
+
+class RandomChainDrafter(Drafter):
+    """Deterministic-looking drafts (no probabilities): q is a point mass on each token."""
+
+    name = "random"
+
+    def __init__(self, seed=0):
+        self.rng = random.Random(seed)
+
+    def propose(self, tokens, budget):
+        return DraftTree.chain([self.rng.choice([0, 2, 4, 6, 7]) for _ in range(min(2, budget))])
+
+
+class NoResidualVerifier(Verifier):
+    """Wrong on purpose: after a rejection it samples from p instead of norm(max(0, p - q))."""
+
+    @staticmethod
+    def residual(p, q):
+        return p
+
+
+def sample_pairs(engine, n, seed0):
+    return Counter(tuple(engine.generate(PROMPT, 2, PARAMS, seed=seed0 + i).tokens) for i in range(n))
+
+
+def chi2_pvalue(counts: Counter, exact: dict, n: int) -> float:
+    cells = sorted(exact, key=exact.get, reverse=True)
+    obs, exp, rest_o, rest_e = [], [], 0, 0.0
+    for c in cells:
+        if exact[c] * n >= 5:
+            obs.append(counts.get(c, 0))
+            exp.append(exact[c] * n)
+        else:
+            rest_o += counts.get(c, 0)
+            rest_e += exact[c] * n
+    if rest_e > 0:
+        obs.append(rest_o)
+        exp.append(rest_e)
+    elif rest_o:
+        return 0.0  # outcomes that have probability 0 under the target
+    total = sum(exp)
+    exp = [e * sum(obs) / total for e in exp]
+    return chisquare(obs, exp).pvalue
+
+
+def test_distribution_is_not_degenerate(model):
+    exact = exact_joint(model)
+    assert max(exact.values()) < 0.5 and sum(v > 0.01 for v in exact.values()) >= 8
+
+
+@pytest.mark.parametrize("variant", ["ar", "point_mass_drafts", "draft_model_q"])
+def test_speculative_sampling_matches_target_distribution(model, variant):
+    runner = HFRunner(model)
+    if variant == "ar":
+        drafter = AutoregressiveDrafter()
+    elif variant == "point_mass_drafts":
+        drafter = RandomChainDrafter()
+    else:
+        drafter = DraftModelDrafter(tiny_llama(seed=3, vocab=VOCAB, logit_scale=5.0), num_draft=2, adaptive=False)
+    engine = Engine(runner, drafter, eos_token_ids=[])
+    n = 20000
+    counts = sample_pairs(engine, n, seed0=1000)
+    p = chi2_pvalue(counts, exact_joint(model), n)
+    assert p > 1e-3, f"{variant}: chi-square p = {p:.2e}"
+    if variant != "ar":  # drafts were really accepted and rejected
+        acc = engine.generate(PROMPT, 40, PARAMS, seed=1).mean_accepted
+        assert 1.1 < acc < 3.0
+
+
+def test_skipping_residual_resampling_is_detected(model):
+    engine = Engine(HFRunner(model), RandomChainDrafter(), eos_token_ids=[], verifier_cls=NoResidualVerifier)
+    n = 20000
+    p = chi2_pvalue(sample_pairs(engine, n, seed0=5000), exact_joint(model), n)
+    assert p < 1e-6
