@@ -9,8 +9,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import TINY_VOCAB, OracleDrafter, tiny_llama
+
 from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.drafters.draft_model import DraftModelDrafter
 from speculum.drafters.ngram import NgramDrafter

@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import tiny_llama
 from scipy.stats import chisquare
 
-from conftest import tiny_llama
 from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.drafters.base import Drafter
 from speculum.drafters.draft_model import DraftModelDrafter

@@ -1,8 +1,8 @@
 """Stop conditions: EOS and stop strings inside accepted drafts end generation exactly there."""
 
 import pytest
-
 from conftest import TINY_VOCAB, CharTokenizer, OracleDrafter
+
 from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.engine import Engine
 from speculum.errors import SpeculumError

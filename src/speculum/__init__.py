@@ -21,8 +21,16 @@ from .tree import DraftTree
 __version__ = "0.1.0"
 
 __all__ = [
-    "DraftTree", "Engine", "GenerationResult", "METHODS", "SamplingParams", "SpeculumError",
-    "build_method", "encode_prompt", "generate", "load",
+    "METHODS",
+    "DraftTree",
+    "Engine",
+    "GenerationResult",
+    "SamplingParams",
+    "SpeculumError",
+    "build_method",
+    "encode_prompt",
+    "generate",
+    "load",
 ]
 
 

@@ -13,8 +13,8 @@ def markdown_table(results: dict) -> str:
     """Overall table (one row per method) followed by a per-task speedup table."""
     methods = results["methods"]
     lines = [
-        f"Model `{results.get('model')}`, dtype {results.get('dtype')}, "
-        f"{results.get('machine', {}).get('processor', '')} ({results.get('machine', {}).get('device', '')}).",
+        (f"Model `{results.get('model')}`, dtype {results.get('dtype')}, "
+        f"{results.get('machine', {}).get('processor', '')} ({results.get('machine', {}).get('device', '')})."),
         "",
         "| method | tok/s | speedup vs hf | speedup vs ar | mean accepted | identical to ar |",
         "|---|---:|---:|---:|---:|---:|",

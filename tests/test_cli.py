@@ -1,0 +1,77 @@
+"""The command line: clear one-line errors for user mistakes, JSON output, and the bench harness."""
+
+import json
+
+import pytest
+
+from speculum.cli import main
+
+
+def _err(capsys, argv):
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "Traceback" not in err and err.startswith("speculum: error:")
+    return err
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--prompt", "", "--max-new-tokens", "4"], "empty"),
+    (["generate", "--prompt", "hi", "--method", "nope"], "unknown method"),
+    (["generate", "--prompt", "hi", "--model", "no-such-model"], "unknown model"),
+    (["generate", "--prompt", "hi", "--model", "/nonexistent/model.gguf"], "does not exist"),
+    (["generate", "--prompt", "hi", "--temperature", "-0.5"], "temperature"),
+    (["generate", "--prompt", "hi", "--top-p", "0"], "top_p"),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
+    (["generate", "--prompt", "hi", "--dtype", "int3"], "dtype"),
+    (["bench", "--methods", "ar,warp"], "unknown method"),
+    (["bench", "--data", "/nonexistent.jsonl"], "does not exist"),
+    (["generate", "--prompt", "hi", "--method", "draft_model"], "needs a draft model"),
+])
+def test_user_errors_are_one_line(capsys, argv, needle):
+    assert needle in _err(capsys, argv)
+
+
+@pytest.mark.slow
+def test_prompt_longer_than_context(capsys):
+    assert "context" in _err(capsys, ["generate", "--prompt", "word " * 9000, "--max-new-tokens", "4"])
+
+
+@pytest.mark.slow
+def test_draft_model_with_other_tokenizer(capsys):
+    err = _err(capsys, ["generate", "--prompt", "hi", "--method", "draft_model", "--draft-model", "gemma3"])
+    assert "tokenizer differs" in err
+
+
+@pytest.mark.slow
+def test_generate_json(capsys):
+    assert main(["generate", "--prompt", "Name three fruits.", "--max-new-tokens", "12", "--json",
+                 "--method", "ngram"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"text", "new_tokens", "time_s", "tok_s", "mean_accepted", "steps"}
+    assert 1 <= out["new_tokens"] <= 12 and out["steps"] <= out["new_tokens"] and out["mean_accepted"] >= 1
+
+
+@pytest.mark.slow
+def test_generate_streams_text(capsys):
+    assert main(["generate", "--prompt", "Say hello.", "--max-new-tokens", "8", "--method", "ar"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "tok/s" in captured.err
+
+
+@pytest.mark.slow
+def test_bench_writes_results(tmp_path, capsys):
+    out = tmp_path / "b"
+    assert main(["bench", "--per-task", "1", "--max-new-tokens", "8", "--methods", "hf,ar,ngram",
+                 "--out", str(out), "--no-progress"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res) >= {"model", "dtype", "machine", "versions", "methods"}
+    assert set(res["methods"]) == {"hf", "ar", "ngram"}
+    for entry in res["methods"].values():
+        assert set(entry["by_task"]) == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
+        assert set(entry["overall"]) >= {"tok_s", "speedup_vs_hf", "speedup_vs_ar", "mean_accepted",
+                                         "identical_frac"}
+    assert res["methods"]["ar"]["overall"]["speedup_vs_ar"] == 1.0
+    assert res["methods"]["ar"]["overall"]["identical_frac"] == 1.0
+    assert (out / "results.md").read_text().startswith("Model")
+    assert (out / "speedup.png").stat().st_size > 1000

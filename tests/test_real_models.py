@@ -1,0 +1,61 @@
+"""End-to-end losslessness on the packaged models in float32 (slow: loads real weights).
+
+Six prompts x 64 new tokens on SmolLM2-135M-Instruct (chat template) and on Gemma-3-270M (base,
+sliding-window layers; one prompt runs past its 512-token window).
+"""
+
+import pytest
+
+from speculum.methods import build_method
+from speculum.prompts import encode_prompt
+from speculum.runner import HFRunner
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    ("Summarize: The committee met on Monday to review the budget. The budget was approved after a long "
+    "discussion about road repairs. Road repairs will start in May and finish in September."),
+    "Translate to French: The weather is nice today and the children are playing in the park.",
+    "Write a Python function that returns the sum of the squares of a list of numbers.",
+    "What are the three primary colors? Explain briefly.",
+    "Repeat this list twice: apple, banana, cherry, date, elderberry, fig, grape.",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman. " * 12
+    + "Continue the story.",
+]
+NEW = 64
+
+
+def _check_methods(model, tok, chat, draft=None):
+    runner = HFRunner(model)
+    methods = {m: build_method(m, model, tok, draft, tok, runner=runner)
+               for m in (["hf", "ar", "ngram", "hf_pld"] + (["draft_model"] if draft is not None else []))}
+    accepted = 0.0
+    for prompt in PROMPTS:
+        ids = encode_prompt(tok, prompt, chat)
+        ref = methods["ar"].run(ids, NEW).tokens
+        assert len(ref) > 0
+        assert methods["hf"].run(ids, NEW).tokens == ref, "ar differs from transformers' greedy generate"
+        for name in ("ngram", "hf_pld", "draft_model"):
+            if name in methods:
+                out = methods[name].run(ids, NEW)
+                assert out.tokens == ref, f"{name} differs from ar on {prompt[:40]!r}"
+                if name == "ngram":
+                    accepted += out.mean_accepted
+    assert accepted / len(PROMPTS) > 1.2  # prompt lookup really drafted and was accepted
+
+
+def test_smollm2_float32_lossless(smollm2_f32):
+    model, tok = smollm2_f32
+    _check_methods(model, tok, chat=True, draft=model)  # self-drafting exercises the draft cache sync
+
+
+def test_gemma3_float32_lossless_past_window(gemma3_f32):
+    model, tok = gemma3_f32
+    assert model.config.sliding_window == 512
+    long_prompt = PROMPTS[-1] * 3
+    assert len(encode_prompt(tok, long_prompt, chat=False)) > 512 - NEW
+    runner = HFRunner(model)
+    ar, ng = (build_method(m, model, tok, runner=runner) for m in ("ar", "ngram"))
+    ids = encode_prompt(tok, long_prompt, chat=False)
+    assert ng.run(ids, NEW).tokens == ar.run(ids, NEW).tokens
+    _check_methods(model, tok, chat=False)
