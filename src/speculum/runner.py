@@ -10,6 +10,16 @@ as chains. Two things make it faster than ``model.generate`` on a CPU:
   verifying ``n`` tokens never materialises ``repeat_kv`` copies of the cache, which transformers
   does whenever a mask is present.
 
+- on CPUs with oneDNN bfloat16 support, every ``nn.Linear`` runs through oneDNN with weights
+  prepacked once into its blocked layout (``torch.ops.mkldnn._linear_pointwise``): measured here
+  2-4x faster than ``F.linear`` in bfloat16 for the 1-16 token inputs that decoding and
+  verification feed (the lm-head of SmolLM2: 0.65 ms instead of 2.8 ms for one token). The packed
+  copies cost one more copy of the linear weights in memory. ``SPECULUM_PACKED_LINEAR=0`` disables it.
+
+The model object is not modified: our attention function and the packed linears are switched in
+only for the duration of a runner forward, so ``model.generate`` (the ``hf`` baselines) still
+runs transformers' own code.
+
 Masks: the cache part of every row is visible except, on sliding-window layers, keys more than
 ``window - 1`` positions behind the query (transformers' rule ``kv_pos > q_pos - window``); the
 new part is the tree's ancestor mask.
@@ -18,6 +28,7 @@ new part is the tree's ancestor mask.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Protocol
 
 import torch
@@ -27,13 +38,19 @@ from .cache import KVCache
 from .tree import DraftTree
 
 _ATTN_NAME = "speculum_sdpa"
+_MATH_ATTENTION_ROWS = 8
 
 
 def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Attention on the KV heads without repeating them.
 
-    Shapes: query ``[1, H, n, D]``, key/value ``[1, H_kv, L, D]``, mask ``[1, 1, n, L]`` bool or
-    None. Returns ``[1, n, H, D]`` like transformers' attention functions.
+    Shapes: query ``[1, H, n, D]``, key/value ``[1, H_kv, L, D]``, mask ``[1, 1, g*n, L]`` additive
+    float (already repeated for the ``g = H / H_kv`` query heads per KV head, see
+    :meth:`HFRunner._masks`) or ``[1, 1, n, L]`` or None. Returns ``[1, n, H, D]`` like transformers'
+    attention functions.
+
+    With ``g*n >= 8`` query rows an explicit matmul-softmax-matmul is used: measured here 2x faster
+    than ``scaled_dot_product_attention``'s CPU flash kernel for 33 rows over 1000 keys.
     """
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("attention soft-capping is not supported by the speculum runner")
@@ -42,13 +59,45 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     g = h // hkv
     q = query.reshape(b, hkv, g * n, d)  # heads h = kv*g + j, rows j*n + i
     mask = attention_mask
-    if mask is not None and g > 1:
+    if mask is not None and mask.shape[-2] != g * n:
         mask = mask.repeat(1, 1, g, 1)  # [1, 1, g*n, L]: row j*n + i is query i's mask
-    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    scale = scaling if scaling is not None else d ** -0.5
+    if g * n >= _MATH_ATTENTION_ROWS:
+        scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # [1, H_kv, g*n, L]
+        if mask is not None:
+            scores = scores + mask if mask.dtype != torch.bool else scores.masked_fill(~mask, float("-inf"))
+        out = torch.matmul(scores.softmax(-1).to(value.dtype), value)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scale)
     return out.reshape(b, h, n, value.shape[-1]).transpose(1, 2), None
 
 
 AttentionInterface.register(_ATTN_NAME, _gqa_sdpa)
+
+
+def _packed_linear_forwards(model: torch.nn.Module) -> list[tuple[torch.nn.Module, object]]:
+    """``(linear, forward)`` pairs running each bfloat16 CPU ``nn.Linear`` on prepacked oneDNN weights."""
+    if os.environ.get("SPECULUM_PACKED_LINEAR", "1") == "0":
+        return []
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return []
+    pairs = []
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        w = module.weight
+        if w.dtype != torch.bfloat16 or w.device.type != "cpu":
+            continue
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+        bias = None if module.bias is None else module.bias.detach()
+
+        def forward(x, packed=packed, bias=bias, out_features=w.shape[0]):
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).contiguous(), packed, bias,
+                                                   "none", [], "")
+            return y.reshape(*x.shape[:-1], out_features)
+
+        pairs.append((module, forward))
+    return pairs
 
 
 class Runner(Protocol):
@@ -79,23 +128,31 @@ class HFRunner:
         self.num_layers = cfg.num_hidden_layers
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.group = cfg.num_attention_heads // self.kv_heads  # query heads per KV head
         layer_types = getattr(cfg, "layer_types", None) or []
         self.sliding_window = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
-        self.uses_mask_mapping = bool(layer_types) and len(set(layer_types)) > 1 or self.sliding_window
+        self.uses_mask_mapping = len(set(layer_types)) > 1 or self.sliding_window is not None
         self.prefill_chunk = prefill_chunk
+        with torch.inference_mode():
+            self._linear_forwards = _packed_linear_forwards(model)
 
     def new_cache(self, capacity: int = 1024) -> KVCache:
         return KVCache(self.num_layers, self.kv_heads, self.head_dim, self.dtype, self.device, capacity)
 
     @contextlib.contextmanager
-    def _our_attention(self):
+    def _our_kernels(self):
+        """Switch in our attention function and packed linears for one forward."""
         cfg = self.config
         old = cfg._attn_implementation
         cfg._attn_implementation = _ATTN_NAME
+        for module, fwd in self._linear_forwards:
+            object.__setattr__(module, "forward", fwd)  # an instance attribute shadows the class method
         try:
             yield
         finally:
             cfg._attn_implementation = old
+            for module, _ in self._linear_forwards:
+                del module.__dict__["forward"]
 
     def _masks(self, cache_len: int, positions: torch.Tensor, new_mask: torch.Tensor | None):
         """Build the attention mask argument for ``n`` new tokens after ``cache_len`` cached ones.
@@ -103,8 +160,10 @@ class HFRunner:
         Args:
             positions: ``[n]`` positions of the new tokens.
             new_mask: ``[n, n]`` bool among the new tokens (True = visible), or None for causal.
-        Returns None (attend to everything), a ``[1, 1, n, cache_len + n]`` bool tensor, or a dict
-        ``{"full_attention": ..., "sliding_attention": ...}`` for models with mixed layers.
+        Returns None (attend to everything), a ``[1, 1, g*n, cache_len + n]`` additive float mask
+        (0 or -inf; built once per forward and already repeated for the ``g`` query heads that share
+        a KV head), or a dict ``{"full_attention": ..., "sliding_attention": ...}`` for models with
+        mixed layers.
         """
         n = positions.shape[0]
         dev = self.device
@@ -113,23 +172,27 @@ class HFRunner:
         full = None
         if new_mask is not None:
             full = torch.cat([torch.ones(n, cache_len, dtype=torch.bool, device=dev), new_mask.to(dev)], dim=1)
-        if not self.uses_mask_mapping:
-            return None if full is None else full[None, None]
-        sliding = None
+        sliding = full
         if self.sliding_window is not None and int(positions.max()) - self.sliding_window >= 0:
             key_pos = torch.cat([torch.arange(cache_len, device=dev), positions])
             in_window = key_pos[None, :] > positions[:, None] - self.sliding_window  # [n, L]
             sliding = in_window if full is None else (full & in_window)
-        else:
-            sliding = full
-        wrap = (lambda m: None if m is None else m[None, None])
-        return {"full_attention": wrap(full), "sliding_attention": wrap(sliding)}
+        if not self.uses_mask_mapping:
+            return self._additive(full)
+        return {"full_attention": self._additive(full), "sliding_attention": self._additive(sliding)}
+
+    def _additive(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """``[n, L]`` bool -> ``[1, 1, g*n, L]`` additive mask in the model's dtype."""
+        if mask is None:
+            return None
+        add = torch.zeros(mask.shape, dtype=self.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return add.repeat(self.group, 1)[None, None]
 
     def _forward(self, cache: KVCache, ids: list[int], positions: torch.Tensor,
                  new_mask: torch.Tensor | None, logits_to_keep: int) -> torch.Tensor:
         input_ids = torch.tensor([ids], device=self.device)
         mask = self._masks(cache.length, positions, new_mask)
-        with torch.inference_mode(), self._our_attention():
+        with torch.inference_mode(), self._our_kernels():
             out = self.model(
                 input_ids=input_ids,
                 position_ids=positions[None],
