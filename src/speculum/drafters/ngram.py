@@ -12,6 +12,11 @@ naive scan in transformers:
 - Adaptive draft length: drafting grows by ``grow`` tokens while whole drafts are accepted and
   falls back to ``accepted + grow`` after a rejection, within ``[min_draft, max_draft]``. A
   one-token match (``n = 1``) is weak evidence, so its draft is capped at ``unigram_draft``.
+  The defaults (16 / 6 / 4 / 8) were chosen on Spec-Bench development prompts with SmolLM2 in
+  bfloat16 on a 2-core CPU, where verifying 11 tokens costs ~1.3x one token; they were ~3%
+  faster than a fixed draft of 10 and ~4% faster than the earlier 12 / 2 / 2 / 4.
+- ``prefer="first"`` takes the earliest occurrence instead (as transformers does); ``per_ngram``
+  caps the draft at ``per_ngram * n`` tokens for an ``n``-token match.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from .base import Drafter
 class NgramDrafter(Drafter):
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 12, min_draft: int = 2,
-                 grow: int = 2, unigram_draft: int = 4, adaptive: bool = True, prefer: str = "recent",
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 16, min_draft: int = 6,
+                 grow: int = 4, unigram_draft: int = 8, adaptive: bool = True, prefer: str = "recent",
                  per_ngram: float = 0.0):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
