@@ -149,8 +149,9 @@ def cmd_bench(args) -> int:
                                      draft, draft_tok, seed=args.seed or 0, progress=not args.no_progress)
     device = next(model.parameters()).device
     settings = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    out = write_outputs(args.out, results, records, bench_meta(model, args.dtype, device, settings))
-    print(markdown_table({**bench_meta(model, args.dtype, device, settings), **results}))
+    meta = bench_meta(model, args.dtype, device, settings)
+    out = write_outputs(args.out, results, records, meta)
+    print(markdown_table({**meta, **results}))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'speedup.png'}")
     return 0
 

@@ -22,7 +22,7 @@ import torch
 
 from .drafters.base import Drafter
 from .errors import SpeculumError
-from .runner import HFRunner
+from .runner import runner_for
 from .sampling import SamplingParams
 from .verify import Verifier
 
@@ -135,7 +135,7 @@ class Engine:
     def __init__(self, runner, drafter: Drafter, tokenizer=None, eos_token_ids: Sequence[int] | None = None,
                  max_tree: int = 64, verifier_cls: type[Verifier] = Verifier):
         self.verifier_cls = verifier_cls
-        self.runner = runner if not isinstance(runner, torch.nn.Module) else HFRunner(runner)
+        self.runner = runner_for(runner) if isinstance(runner, torch.nn.Module) else runner
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.max_tree = max_tree

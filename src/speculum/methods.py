@@ -25,7 +25,7 @@ from .drafters.draft_model import DraftModelDrafter, check_same_tokenizer
 from .drafters.ngram import NgramDrafter
 from .engine import Engine, GenerationResult, default_eos_ids
 from .errors import SpeculumError
-from .runner import HFRunner
+from .runner import HFRunner, runner_for
 from .sampling import SamplingParams
 
 ENGINE_METHODS = ("ar", "ngram", "draft_model")
@@ -54,7 +54,6 @@ class HFMethod:
         self.assistant, self.prompt_lookup = assistant, prompt_lookup
         self.eos_ids = default_eos_ids(model, tokenizer)
         self._calls = 0
-        model.register_forward_hook(self._count)
 
     def _count(self, *args):
         self._calls += 1
@@ -86,10 +85,14 @@ class HFMethod:
         device = next(self.model.parameters()).device
         ids = torch.tensor([list(prompt_ids)], device=device)
         self._calls = 0
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-        elapsed = time.perf_counter() - t0
+        hook = self.model.register_forward_hook(self._count)
+        try:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            elapsed = time.perf_counter() - t0
+        finally:
+            hook.remove()
         new = out[0, ids.shape[1]:].tolist()
         reason = "eos" if new and new[-1] in self.eos_ids else "length"
         text = self.tokenizer.decode(new, skip_special_tokens=True)
@@ -135,5 +138,5 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
         drafter = NgramDrafter(**options)
     else:
         drafter = DraftModelDrafter(draft_model, **options)
-    engine = Engine(runner or HFRunner(model), drafter, tokenizer, max_tree=max_tree)
+    engine = Engine(runner or runner_for(model), drafter, tokenizer, max_tree=max_tree)
     return EngineMethod(name, engine)

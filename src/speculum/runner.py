@@ -218,3 +218,12 @@ class HFRunner:
         positions = depth + cache.length
         new_mask = None if tree.is_chain else tree.ancestor_mask(self.device)
         return self._forward(cache, [root] + tree.tokens, positions, new_mask, logits_to_keep=0)
+
+
+def runner_for(model: torch.nn.Module) -> HFRunner:
+    """The model's :class:`HFRunner`, built once and kept on the model (packing weights takes time)."""
+    runner = model.__dict__.get("_speculum_runner")
+    if runner is None:
+        runner = HFRunner(model)
+        model.__dict__["_speculum_runner"] = runner
+    return runner

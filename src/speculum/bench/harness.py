@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ..methods import build_method
 from ..prompts import encode_prompt
-from ..runner import HFRunner
+from ..runner import runner_for
 from ..sampling import SamplingParams
 from .data import TASKS, Prompt
 
@@ -78,7 +78,7 @@ def run_benchmark(model, tokenizer, prompts: list[Prompt], methods: list[str], m
     """
     sampling = sampling or SamplingParams()
     method_options = method_options or {}
-    runner = HFRunner(model)
+    runner = runner_for(model)
     built = {m: build_method(m, model, tokenizer, draft_model, draft_tokenizer, runner=runner,
                              **method_options.get(m, {}))
              for m in methods}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpeculumError
-from ..runner import HFRunner
+from ..runner import runner_for
 from ..tree import DraftTree
 from ..verify import Acceptance
 from .base import Drafter
@@ -35,7 +35,7 @@ class DraftModelDrafter(Drafter):
     name = "draft_model"
 
     def __init__(self, draft_model: torch.nn.Module, num_draft: int = 4, adaptive: bool = True):
-        self.runner = HFRunner(draft_model)
+        self.runner = runner_for(draft_model)
         self.max_draft = num_draft
         self.adaptive = adaptive
 
