@@ -115,10 +115,13 @@ class _StopChecker:
 
     def final_text(self, generated: list[int], reason: str) -> str:
         text = self.text(generated)
-        if reason == "stop":
-            cut = min(text.find(s) for s in self.stop if s in text)
-            text = text[:cut]
-        return text
+        return cut_at_stop(text, self.stop) if reason == "stop" else text
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to (not including) the earliest occurrence of any stop string."""
+    hits = [text.find(s) for s in stop if s and s in text]
+    return text[:min(hits)] if hits else text
 
 
 class Engine:

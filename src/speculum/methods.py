@@ -23,7 +23,7 @@ import torch
 from .drafters.ar import AutoregressiveDrafter
 from .drafters.draft_model import DraftModelDrafter, check_same_tokenizer
 from .drafters.ngram import NgramDrafter
-from .engine import Engine, GenerationResult, default_eos_ids
+from .engine import Engine, GenerationResult, cut_at_stop, default_eos_ids
 from .errors import SpeculumError
 from .runner import HFRunner, runner_for
 from .sampling import SamplingParams
@@ -96,9 +96,9 @@ class HFMethod:
         new = out[0, ids.shape[1]:].tolist()
         reason = "eos" if new and new[-1] in self.eos_ids else "length"
         text = self.tokenizer.decode(new, skip_special_tokens=True)
-        if stop and any(s in text for s in stop):
+        if stop and cut_at_stop(text, stop) != text:
             reason = "stop"
-            text = text[:min(text.find(s) for s in stop if s in text)]
+            text = cut_at_stop(text, stop)
         if on_tokens is not None:
             on_tokens(new)
         return GenerationResult(len(prompt_ids), new, text, reason, elapsed, 0.0, self._calls)
