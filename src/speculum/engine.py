@@ -24,6 +24,7 @@ from .drafters.base import Drafter
 from .errors import SpeculumError
 from .runner import runner_for
 from .sampling import SamplingParams
+from .tree_sizing import TreeSizer
 from .verify import Verifier
 
 
@@ -133,11 +134,14 @@ class Engine:
         tokenizer: needed for stop strings and ``text`` in results.
         max_tree: upper bound on drafted nodes per step.
         verifier_cls: the acceptance rule (tests swap in deliberately broken ones).
+        sizer: trims each scored tree to the size that pays on this hardware
+            (:class:`~speculum.tree_sizing.TreeSizer`); ``None`` verifies trees as drafted.
     """
 
     def __init__(self, runner, drafter: Drafter, tokenizer=None, eos_token_ids: Sequence[int] | None = None,
-                 max_tree: int = 64, verifier_cls: type[Verifier] = Verifier):
+                 max_tree: int = 64, verifier_cls: type[Verifier] = Verifier, sizer: TreeSizer | None = None):
         self.verifier_cls = verifier_cls
+        self.sizer = sizer
         self.runner = runner_for(runner) if isinstance(runner, torch.nn.Module) else runner
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -180,6 +184,8 @@ class Engine:
             tree = self.drafter.propose(tokens, max(room, 0))
             if len(tree) > max(room, 0):
                 raise RuntimeError(f"{self.drafter.name} drafted {len(tree)} nodes with a budget of {room}")
+            if self.sizer is not None:
+                tree = self.sizer.select(tree, cache.length)
             t_b = time.perf_counter()
             logits = self.runner.forward_tree(cache, tokens[-1], tree)
             acc = verifier.accept(tree, logits)
@@ -198,11 +204,12 @@ class Engine:
             if reason is None and len(tokens) >= max_len:
                 reason = "context"
             if reason is None:
-                self.drafter.update(tokens, tree, acc)
+                self.drafter.update(tokens, tree, acc, logits)
             t_d = time.perf_counter()
             steps.append(StepStats(len(tree), len(acc.path), len(new), t_b - t_a, t_c - t_b, t_d - t_c))
             if new:
                 yield new
+        self.drafter.finish(tokens)
         total = time.perf_counter() - t0
         return GenerationResult(len(prompt), generated, stops.final_text(generated, reason), reason,
                                 total, prefill_s, len(steps), steps)

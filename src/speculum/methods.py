@@ -6,6 +6,11 @@ GenerationResult`` so that the CLI and the benchmark treat them alike.
 =============== ==================================================================================
 ``ar``          plain decoding through speculum's engine (the baseline for ``speedup_vs_ar``)
 ``ngram``       prompt lookup with an incremental index and adaptive draft length
+``ngram_tree``  prompt lookup drafting a tree from several matches
+``suffix``      SuffixDecoding: suffix tries over this request and previous outputs
+``recycling``   Token Recycling: an adjacency matrix of recent top-k candidates, grown into a tree
+``mix``         suffix and recycling candidates merged into one tree
+``auto``        a bandit over mix / suffix / recycling / ngram / none by measured tokens per second
 ``draft_model`` a smaller model with the same tokenizer drafts chains (needs ``draft_model=``)
 ``hf``          ``model.generate`` (transformers' own plain decoding; ``speedup_vs_hf``)
 ``hf_pld``      ``model.generate(prompt_lookup_num_tokens=10)``
@@ -20,15 +25,23 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from .calibrate import load_or_measure
 from .drafters.ar import AutoregressiveDrafter
+from .drafters.auto import AutoDrafter
 from .drafters.draft_model import DraftModelDrafter, check_same_tokenizer
+from .drafters.mix import MixDrafter
 from .drafters.ngram import NgramDrafter
+from .drafters.recycling import RecyclingDrafter
+from .drafters.suffix import SuffixDrafter
 from .engine import Engine, GenerationResult, cut_at_stop, default_eos_ids
 from .errors import SpeculumError
 from .runner import HFRunner, runner_for
 from .sampling import SamplingParams
+from .tree_sizing import TreeSizer
 
-ENGINE_METHODS = ("ar", "ngram", "draft_model")
+ENGINE_METHODS = ("ar", "ngram", "ngram_tree", "suffix", "recycling", "mix", "auto", "draft_model")
+# drafters whose trees carry scores: the engine sizes them to the hardware's calibrated cost curve
+SIZED_METHODS = ("suffix", "recycling", "mix", "auto")
 HF_METHODS = ("hf", "hf_pld", "hf_assisted")
 METHODS = ENGINE_METHODS + HF_METHODS
 NEEDS_DRAFT = ("draft_model", "hf_assisted")
@@ -132,11 +145,24 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
     if name == "hf_assisted":
         return HFMethod(name, model, tokenizer, assistant=draft_model)
     max_tree = options.pop("max_tree", 64)
+    sized = options.pop("sized", name in SIZED_METHODS)
+    runner = runner or runner_for(model)
     if name == "ar":
         drafter = AutoregressiveDrafter()
     elif name == "ngram":
         drafter = NgramDrafter(**options)
+    elif name == "ngram_tree":
+        drafter = NgramDrafter(**{"branches": 4, **options})
+    elif name == "suffix":
+        drafter = SuffixDrafter(**options)
+    elif name == "recycling":
+        drafter = RecyclingDrafter(**options)
+    elif name == "mix":
+        drafter = MixDrafter([SuffixDrafter(), RecyclingDrafter()], **options)
+    elif name == "auto":
+        drafter = AutoDrafter(**options)
     else:
         drafter = DraftModelDrafter(draft_model, **options)
-    engine = Engine(runner or runner_for(model), drafter, tokenizer, max_tree=max_tree)
+    sizer = TreeSizer(load_or_measure(runner, progress=True)) if sized else None
+    engine = Engine(runner, drafter, tokenizer, max_tree=max_tree, sizer=sizer)
     return EngineMethod(name, engine)

@@ -27,11 +27,19 @@ class DraftTree:
         draft_probs: ``[n, V]`` float32 or ``None``. Row ``i`` is the distribution that node ``i``'s
             token was sampled from (the drafter's q at the parent's position). ``None`` means the
             drafter is deterministic: q is a point mass on each drafted token.
+        scores: ``[n]`` or ``None``: the drafter's estimate of the probability that node ``i`` is
+            accepted (its whole root path matches). Never larger than the parent's score. The
+            engine's tree sizer keeps the best-scoring nodes that pay for their verification cost.
+        tags: ``[n]`` or ``None``: opaque per-node data for the drafter (e.g. the features it
+            learns hit rates by); kept through :meth:`subtree` so the drafter can read it in
+            ``update`` after the engine trimmed the tree.
     """
 
     tokens: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     draft_probs: torch.Tensor | None = None
+    scores: list[float] | None = None
+    tags: list | None = None
 
     def __post_init__(self):
         if len(self.tokens) != len(self.parents):
@@ -41,6 +49,8 @@ class DraftTree:
                 raise ValueError(f"node {i} has parent {p}: parents must come before children")
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.tokens):
             raise ValueError("draft_probs needs one row per node")
+        if self.scores is not None and len(self.scores) != len(self.tokens):
+            raise ValueError("scores needs one entry per node")
 
     @classmethod
     def chain(cls, tokens: list[int], draft_probs: torch.Tensor | None = None) -> DraftTree:
@@ -80,6 +90,20 @@ class DraftTree:
             mask[i + 1, i + 1] = True
         return mask.to(device) if device is not None else mask
 
+    def subtree(self, keep: list[int]) -> DraftTree:
+        """The tree restricted to nodes ``keep`` (increasing, closed under taking parents)."""
+        new_index = {old: new for new, old in enumerate(keep)}
+        parents = []
+        for old in keep:
+            p = self.parents[old]
+            if p >= 0 and p not in new_index:
+                raise ValueError(f"node {old} kept without its parent {p}")
+            parents.append(-1 if p < 0 else new_index[p])
+        probs = None if self.draft_probs is None else self.draft_probs[keep]
+        scores = None if self.scores is None else [self.scores[i] for i in keep]
+        tags = None if self.tags is None else [self.tags[i] for i in keep]
+        return DraftTree([self.tokens[i] for i in keep], parents, probs, scores, tags)
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` (inclusive)."""
         path = []
@@ -87,3 +111,49 @@ class DraftTree:
             path.append(node)
             node = self.parents[node]
         return path[::-1]
+
+
+class TreeBuilder:
+    """Builds a :class:`DraftTree` from candidate continuations, merging shared prefixes.
+
+    ``add(parent, token, score)`` returns the node for ``token`` under ``parent`` (``-1`` = root),
+    creating it or raising its score to the larger of the two (two sources proposing the same
+    token strengthen it). Nodes are numbered in creation order, parents first.
+    """
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+        self.tags: list = []
+        self._index: dict[tuple[int, int], int] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, score: float, tag=None) -> int:
+        key = (parent, token)
+        node = self._index.get(key)
+        if node is None:
+            node = len(self.tokens)
+            self._index[key] = node
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.scores.append(score)
+            self.tags.append(tag)
+        elif score > self.scores[node]:
+            self.scores[node] = score
+            self.tags[node] = tag
+        return node
+
+    def add_path(self, tokens: list[int], scores: list[float], parent: int = -1) -> int:
+        """Add a chain below ``parent``; returns the last node (``parent`` for an empty chain)."""
+        for tok, sc in zip(tokens, scores):
+            parent = self.add(parent, tok, sc)
+        return parent
+
+    def child(self, parent: int, token: int) -> int | None:
+        return self._index.get((parent, token))
+
+    def build(self) -> DraftTree:
+        return DraftTree(list(self.tokens), list(self.parents), None, list(self.scores), list(self.tags))

@@ -31,5 +31,12 @@ class Drafter(ABC):
     def propose(self, tokens: list[int], budget: int) -> DraftTree:
         """Draft continuations of ``tokens`` (``tokens[-1]`` is the root) with at most ``budget`` nodes."""
 
-    def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance) -> None:
-        """Called after each step; ``tokens`` already includes the newly committed tokens."""
+    def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits: torch.Tensor) -> None:
+        """Called after each step; ``tokens`` already includes the newly committed tokens.
+
+        ``logits`` ``[len(tree) + 1, V]`` are the target's logits for ``[root] + tree.tokens`` (row 0
+        predicts the token after the root, row ``i + 1`` the token after node ``i``).
+        """
+
+    def finish(self, tokens: list[int]) -> None:
+        """Called once when a request ends, with its prompt and output (cross-request drafters learn here)."""

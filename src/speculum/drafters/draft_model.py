@@ -80,7 +80,7 @@ class DraftModelDrafter(Drafter):
             last = nxt
         return DraftTree.chain(drafted, torch.stack(qs) if qs else None)
 
-    def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance) -> None:
+    def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits=None) -> None:
         if not self.adaptive or len(tree) == 0:
             return
         if len(acceptance.path) == len(tree):

@@ -17,11 +17,14 @@ naive scan in transformers:
   faster than a fixed draft of 10 and ~4% faster than the earlier 12 / 2 / 2 / 4.
 - ``prefer="first"`` takes the earliest occurrence instead (as transformers does); ``per_ngram``
   caps the draft at ``per_ngram * n`` tokens for an ``n``-token match.
+- ``branches > 1`` (the ``ngram_tree`` method) drafts a tree: the continuations of up to
+  ``branches`` occurrences with different next tokens, longest n-gram first, the preferred one
+  ``draft_len`` long and the others ``branch_draft`` long, merged where they share a prefix.
 """
 
 from __future__ import annotations
 
-from ..tree import DraftTree
+from ..tree import DraftTree, TreeBuilder
 from ..verify import Acceptance
 from .base import Drafter
 
@@ -31,7 +34,7 @@ class NgramDrafter(Drafter):
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 16, min_draft: int = 6,
                  grow: int = 4, unigram_draft: int = 8, adaptive: bool = True, prefer: str = "recent",
-                 per_ngram: float = 0.0):
+                 per_ngram: float = 0.0, branches: int = 1, branch_draft: int = 4):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         if not 1 <= min_draft <= max_draft:
@@ -42,10 +45,15 @@ class NgramDrafter(Drafter):
         if prefer not in ("recent", "first"):
             raise ValueError("prefer must be 'recent' or 'first'")
         self.prefer, self.per_ngram = prefer, per_ngram
+        if branches < 1:
+            raise ValueError("branches must be >= 1")
+        self.branches, self.branch_draft = branches, branch_draft
 
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
         self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        # for trees: n-gram -> every continuation start, oldest first
+        self.all_starts: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.sizes}
         self.indexed = 0  # continuation starts < indexed are in the index
         self.draft_len = self.max_draft
 
@@ -54,10 +62,13 @@ class NgramDrafter(Drafter):
         for i in range(max(self.indexed, 1), len(tokens)):
             for n in self.sizes:
                 if i >= n:
+                    key = tuple(tokens[i - n:i])
                     if self.prefer == "recent":
-                        self.index[n][tuple(tokens[i - n:i])] = i
+                        self.index[n][key] = i
                     else:
-                        self.index[n].setdefault(tuple(tokens[i - n:i]), i)
+                        self.index[n].setdefault(key, i)
+                    if self.branches > 1:
+                        self.all_starts[n].setdefault(key, []).append(i)
         self.indexed = len(tokens)
 
     def propose(self, tokens: list[int], budget: int) -> DraftTree:
@@ -75,14 +86,38 @@ class NgramDrafter(Drafter):
             if self.per_ngram:
                 k = min(k, max(self.min_draft, int(self.per_ngram * n)))
             k = min(k, budget)
+            if self.branches > 1:
+                return self._tree(tokens, n, start, k, budget)
             return DraftTree.chain(tokens[start:start + k])
         return DraftTree()
 
-    def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance) -> None:
+    def _tree(self, tokens: list[int], n_first: int, start: int, k: int, budget: int) -> DraftTree:
+        """The preferred continuation plus other occurrences' continuations with different next tokens."""
+        builder = TreeBuilder()
+        builder.add_path(tokens[start:start + k], [1.0] * k)
+        firsts = {tokens[start]} if start < len(tokens) else set()
+        length = len(tokens)
+        for n in self.sizes:
+            if n > n_first or n > length or len(firsts) >= self.branches:
+                continue
+            starts = self.all_starts[n].get(tuple(tokens[length - n:]), [])
+            order = reversed(starts) if self.prefer == "recent" else iter(starts)
+            for s in order:
+                if len(firsts) >= self.branches or len(builder) >= budget:
+                    break
+                if s >= length or tokens[s] in firsts:
+                    continue
+                firsts.add(tokens[s])
+                room = min(self.branch_draft, budget - len(builder))
+                builder.add_path(tokens[s:s + room], [1.0] * room)
+        tree = builder.build()
+        return DraftTree(tree.tokens, tree.parents)
+
+    def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits=None) -> None:
         if not self.adaptive or len(tree) == 0:
             return
         accepted = len(acceptance.path)
-        if accepted == len(tree):
+        if accepted == (len(tree) if tree.is_chain else max(tree.depths())):
             self.draft_len = min(self.max_draft, self.draft_len + self.grow)
         else:
             self.draft_len = max(self.min_draft, min(self.max_draft, accepted + self.grow))

@@ -1,0 +1,100 @@
+"""``auto``: a bandit that picks, step by step, the drafter that yields the most tokens per second.
+
+Arms: ``mix`` (suffix + recycling), ``suffix``, ``recycling``, ``ngram`` and ``none`` (plain
+decoding). The reward of an arm is measured, not predicted: the tokens committed by the steps
+it drafted over the wall time of those steps (time from one ``propose`` to the next, so drafting,
+verification and bookkeeping all count). Estimates are discounted sums (``gamma`` per step) so
+they follow the text, and they persist across requests. Each step picks the arm with the
+highest upper confidence bound (UCB1 on rates normalised by the best arm's), so an arm that
+stops paying (nothing matches, drafts get rejected) loses to ``none`` within a few steps: on
+text where nothing matches ``auto`` decodes at about ``ar``'s speed. The tree sizer already
+shrinks hopeless trees to nothing; the bandit also catches costs the sizer does not model.
+
+The arms share their state (one suffix trie, one recycling matrix), so every arm keeps learning
+from every step whichever arm drafted it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from ..tree import DraftTree
+from ..verify import Acceptance
+from .ar import AutoregressiveDrafter
+from .base import Drafter
+from .mix import MixDrafter
+from .ngram import NgramDrafter
+from .recycling import RecyclingDrafter
+from .suffix import SuffixDrafter
+
+
+class AutoDrafter(Drafter):
+    name = "auto"
+
+    def __init__(self, gamma: float = 0.99, explore: float = 0.1, clock=time.perf_counter):
+        self.suffix, self.recycling, self.ngram = SuffixDrafter(), RecyclingDrafter(), NgramDrafter()
+        self.arms: dict[str, Drafter] = {
+            "mix": MixDrafter([self.suffix, self.recycling]),
+            "suffix": self.suffix,
+            "recycling": self.recycling,
+            "ngram": self.ngram,
+            "none": AutoregressiveDrafter(),
+        }
+        self.gamma, self.explore, self.clock = gamma, explore, clock
+        self.tokens_sum = dict.fromkeys(self.arms, 0.0)  # discounted tokens committed by each arm
+        self.time_sum = dict.fromkeys(self.arms, 0.0)  # discounted seconds spent in its steps
+        self.pulls = dict.fromkeys(self.arms, 0.0)  # discounted number of steps
+        self.chosen: list[str] = []  # arm of every step of the current request (for reports)
+        self._pending = None  # (arm, start time, committed length) of the step in flight
+
+    def reset(self, prompt_ids, params, generator):
+        super().reset(prompt_ids, params, generator)
+        for d in (self.suffix, self.recycling, self.ngram):
+            d.reset(prompt_ids, params, generator)
+        self.chosen = []
+        self._pending = None
+
+    def _close_step(self, length: int) -> None:
+        """Credit the step in flight with the tokens committed since it began."""
+        if self._pending is None:
+            return
+        arm, start, before = self._pending
+        self._pending = None
+        for a in self.arms:
+            self.tokens_sum[a] *= self.gamma
+            self.time_sum[a] *= self.gamma
+            self.pulls[a] *= self.gamma
+        self.tokens_sum[arm] += length - before
+        self.time_sum[arm] += self.clock() - start
+        self.pulls[arm] += 1
+
+    def rate(self, arm: str) -> float:
+        """Measured tokens per second of ``arm`` (discounted); 0 before its first step."""
+        return self.tokens_sum[arm] / self.time_sum[arm] if self.time_sum[arm] > 0 else 0.0
+
+    def pick(self) -> str:
+        untried = [a for a in self.arms if self.pulls[a] < 1e-3]
+        if untried:
+            return untried[0]
+        best = max(self.rate(a) for a in self.arms) or 1.0
+        total = sum(self.pulls.values())
+        return max(self.arms, key=lambda a: self.rate(a) / best
+                   + self.explore * math.sqrt(math.log(total + 1) / self.pulls[a]))
+
+    def propose(self, tokens: list[int], budget: int) -> DraftTree:
+        self._close_step(len(tokens))
+        arm = self.pick()
+        self.chosen.append(arm)
+        self._pending = (arm, self.clock(), len(tokens))
+        return self.arms[arm].propose(tokens, budget)
+
+    def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits=None) -> None:
+        self.suffix.update(tokens, tree, acceptance, logits)
+        self.recycling.update(tokens, tree, acceptance, logits)
+        if self.chosen and self.chosen[-1] == "ngram":
+            self.ngram.update(tokens, tree, acceptance, logits)
+
+    def finish(self, tokens: list[int]) -> None:
+        self._close_step(len(tokens))
+        self.suffix.finish(tokens)

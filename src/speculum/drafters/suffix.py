@@ -1,0 +1,134 @@
+"""``suffix``: SuffixDecoding (Oliaro et al. 2024).
+
+Two :class:`~speculum.drafters.suffix_index.SuffixIndex` tries: a *local* one over this request's
+prompt and output, updated incrementally as tokens are committed, and a *global* one over the
+outputs of previous requests (bounded: the oldest request is evicted past ``cache_requests``),
+so repeated workloads get faster over time.
+
+Each step finds, in each trie, the longest suffix of the context (up to ``max_match`` tokens)
+that occurred before with a continuation, then grows a draft tree below it best-first by
+empirical continuation probability (a child's count over its siblings' total, multiplied down the
+path), keeping nodes whose probability is at least ``min_token_prob`` and at most
+``max_spec_factor * match_length`` of them: a long match earns a long speculation, as in the
+paper. Trees from both tries are merged.
+
+For the engine's tree sizer each node also carries a calibrated score: the product of learnt
+hit rates keyed by (trie, match length, empirical probability bucket).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+
+from ..tree import DraftTree, TreeBuilder
+from ..verify import Acceptance
+from .base import Drafter
+from .hit_rates import HitRates, record_tree
+from .suffix_index import SuffixIndex
+
+SOURCE = "suffix"
+
+
+def _prior(key) -> float:
+    _trie, m, fbucket = key
+    return min(0.9, (0.3 + 0.05 * m) * (fbucket + 0.5) / 4)
+
+
+class SuffixDrafter(Drafter):
+    """SuffixDecoding.
+
+    Args:
+        max_depth: depth of the tries (pattern plus continuation).
+        max_match: longest context suffix looked up.
+        max_spec_factor: speculate at most ``max_spec_factor * match_length`` tokens per trie.
+        min_token_prob: drop nodes whose empirical path probability is below this.
+        cache_requests: previous requests kept in the global trie (0 disables it).
+    """
+
+    name = "suffix"
+
+    def __init__(self, max_depth: int = 40, max_match: int = 16, max_spec_factor: float = 2.0,
+                 min_token_prob: float = 0.1, max_nodes: int = 64, cache_requests: int = 256):
+        self.max_depth, self.max_match = max_depth, max_match
+        self.max_spec_factor, self.min_token_prob, self.max_nodes = max_spec_factor, min_token_prob, max_nodes
+        self.cache_requests = cache_requests
+        self.global_index = SuffixIndex(max_depth)
+        self.global_ids: deque[int] = deque()
+        self.next_id = 0
+        self.rates = HitRates(prior=_prior)
+
+    def reset(self, prompt_ids, params, generator):
+        super().reset(prompt_ids, params, generator)
+        self.local = SuffixIndex(self.max_depth)
+        self.local.extend(0, list(prompt_ids))
+        self.seen = len(prompt_ids)
+        self.prompt_len = len(prompt_ids)
+
+    def _sync(self, tokens: list[int]) -> None:
+        if len(tokens) > self.seen:
+            self.local.extend(0, tokens[self.seen:])
+            self.seen = len(tokens)
+
+    def expand(self, builder: TreeBuilder, context: list[int], budget: int) -> None:
+        """Add both tries' trees for ``context`` to ``builder``, at most ``budget`` new nodes each."""
+        self._sync(context)
+        end = len(builder) + budget
+        for name, index in (("local", self.local), ("global", self.global_index)):
+            if len(index) > 1 and len(builder) < end:
+                self._expand_from(builder, index, name, context, end)
+
+    def _expand_from(self, builder: TreeBuilder, index: SuffixIndex, trie: str, context: list[int],
+                     end: int) -> None:
+        """Grow the tree of one trie's match until ``builder`` holds ``end`` nodes or the match's share."""
+        node, m = index.longest_match(context, self.max_match)
+        if m == 0:
+            return
+        limit = math.ceil(self.max_spec_factor * m)
+        mkey = min(m, 8)
+        children, count = index.children, index.count
+        heap: list = []  # (-empirical path prob, tie, trie node, tree parent, parent score, token, cond)
+        tie = 0
+
+        def push(tnode: int, prob: float, parent: int, parent_score: float) -> None:
+            nonlocal tie
+            kids = children[tnode]
+            total = sum(count[c] for c in kids.values())
+            for tok, c in kids.items():
+                cond = count[c] / total
+                if prob * cond >= self.min_token_prob:
+                    tie += 1
+                    heapq.heappush(heap, (-prob * cond, tie, c, parent, parent_score, tok, cond))
+
+        push(node, 1.0, -1, 1.0)
+        added = 0
+        while heap and added < limit and len(builder) < end:
+            neg, _, tnode, parent, parent_score, tok, cond = heapq.heappop(heap)
+            key = (trie, mkey, min(int(cond * 4), 3))
+            score = parent_score * self.rates.p(key)
+            tree_node = builder.add(parent, tok, score, (SOURCE, key))
+            added += 1
+            push(tnode, -neg, tree_node, score)
+
+    def propose(self, tokens: list[int], budget: int) -> DraftTree:
+        builder = TreeBuilder()
+        self.expand(builder, tokens, min(budget, self.max_nodes))
+        return builder.build()
+
+    def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits=None) -> None:
+        if logits is not None:
+            record_tree(self.rates, SOURCE, tree, logits, acceptance.path)
+
+    def finish(self, tokens: list[int]) -> None:
+        """Add this request's output to the global trie; evict the oldest beyond ``cache_requests``."""
+        if self.cache_requests <= 0:
+            return
+        output = tokens[self.prompt_len:]
+        if not output:
+            return
+        self.global_index.extend(self.next_id, output)
+        self.global_ids.append(self.next_id)
+        self.next_id += 1
+        while len(self.global_ids) > self.cache_requests:
+            self.global_index.remove(self.global_ids.popleft())

@@ -1,0 +1,239 @@
+"""Tree drafters (suffix, recycling, ngram trees, mix, auto) and tree sizing.
+
+Greedy losslessness against plain decoding on tiny random Llama and Gemma-3 models (float32),
+with and without the hardware-aware sizer, over many requests in a row so that cross-request
+state (the suffix drafter's global trie, the recycling matrix, auto's bandit) is exercised; plus
+unit checks of the suffix trie against brute force, the sizer's choices and the bandit.
+"""
+
+import random
+from collections import Counter
+
+import pytest
+from test_lossless_tiny import NEW, _prompts
+
+from speculum.calibrate import load_or_measure
+from speculum.drafters.ar import AutoregressiveDrafter
+from speculum.drafters.auto import AutoDrafter
+from speculum.drafters.mix import MixDrafter
+from speculum.drafters.ngram import NgramDrafter
+from speculum.drafters.recycling import RecyclingDrafter
+from speculum.drafters.suffix import SuffixDrafter
+from speculum.drafters.suffix_index import SuffixIndex
+from speculum.engine import Engine
+from speculum.runner import HFRunner
+from speculum.tree import DraftTree
+from speculum.tree_sizing import CostModel, TreeSizer, best_size
+
+DRAFTERS = {
+    "suffix": lambda: SuffixDrafter(),
+    "suffix_wide": lambda: SuffixDrafter(max_spec_factor=8.0, min_token_prob=0.0, max_match=4),
+    "recycling": lambda: RecyclingDrafter(),
+    "recycling_k2_deep": lambda: RecyclingDrafter(k=2, max_depth=30),
+    "ngram_tree": lambda: NgramDrafter(branches=4, branch_draft=3),
+    "mix": lambda: MixDrafter([SuffixDrafter(), RecyclingDrafter()]),
+    "auto": lambda: AutoDrafter(),
+}
+
+
+@pytest.mark.parametrize("sized", [False, True], ids=["unsized", "sized"])
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_tree_drafters_lossless(tiny_model, name, sized):
+    runner = HFRunner(tiny_model)
+    ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
+    sizer = TreeSizer(load_or_measure(runner)) if sized else None
+    engine = Engine(runner, DRAFTERS[name](), eos_token_ids=[], sizer=sizer)
+    drafted = accepted = 0
+    for i, prompt in enumerate(_prompts(40, 11)):
+        out = engine.generate(prompt, NEW)
+        assert out.tokens == ar.generate(prompt, NEW).tokens, f"{name}: prompt {i}"
+        drafted += sum(s.drafted for s in out.steps)
+        accepted += sum(s.accepted for s in out.steps)
+    assert drafted > 0
+    if not sized:  # the unsized trees are big enough that some drafts must land
+        assert accepted > 0
+
+
+def test_unsized_recycling_grows_wide_trees(tiny_model):
+    runner = HFRunner(tiny_model)
+    engine = Engine(runner, RecyclingDrafter(), eos_token_ids=[])
+    for prompt in _prompts(5, 12):
+        engine.generate(prompt, NEW)
+    out = engine.generate([1, 2, 3, 1, 2, 3], NEW)
+    assert max(s.drafted for s in out.steps) >= 32
+
+
+# -- suffix trie ----------------------------------------------------------------------------------
+
+def _brute_counts(seqs, depth):
+    c = Counter()
+    for s in seqs:
+        for i in range(len(s)):
+            for j in range(i + 1, min(len(s), i + depth) + 1):
+                c[tuple(s[i:j])] += 1
+    return c
+
+
+def _trie_counts(index):
+    out, stack = {}, [(0, ())]
+    while stack:
+        node, path = stack.pop()
+        for tok, child in index.children[node].items():
+            out[path + (tok,)] = index.count[child]
+            stack.append((child, path + (tok,)))
+    return out
+
+
+def test_suffix_index_counts_match_brute_force():
+    rng = random.Random(0)
+    seqs = {k: [rng.randrange(5) for _ in range(rng.randint(1, 40))] for k in range(6)}
+    index = SuffixIndex(max_depth=6)
+    for k, s in seqs.items():  # insert in pieces: incremental extension must equal one insertion
+        cut = rng.randint(0, len(s))
+        index.extend(k, s[:cut])
+        index.extend(k, s[cut:])
+    assert _trie_counts(index) == dict(_brute_counts(seqs.values(), 6))
+    for k in (1, 4):
+        index.remove(k)
+        del seqs[k]
+        assert _trie_counts(index) == dict(_brute_counts(seqs.values(), 6))
+    index.extend(9, [0, 1, 2, 3])  # freed nodes are reused correctly
+    seqs[9] = [0, 1, 2, 3]
+    assert _trie_counts(index) == dict(_brute_counts(seqs.values(), 6))
+
+
+def test_suffix_longest_match_is_longest_with_continuation():
+    rng = random.Random(1)
+    for _ in range(200):
+        seq = [rng.randrange(4) for _ in range(rng.randint(1, 30))]
+        index = SuffixIndex(max_depth=12)
+        index.extend(0, seq)
+        _, m = index.longest_match(seq, 8)
+        # brute force: longest suffix (<= 8) that also occurs earlier followed by a token
+        best = 0
+        for k in range(1, min(8, len(seq), 11) + 1):
+            pat = seq[len(seq) - k:]
+            if any(seq[i:i + k] == pat for i in range(len(seq) - k)):
+                best = k
+        assert m == best, seq
+
+
+def test_suffix_global_cache_drafts_previous_outputs(tiny_model):
+    runner = HFRunner(tiny_model)
+    drafter = SuffixDrafter(cache_requests=2)
+    engine = Engine(runner, drafter, eos_token_ids=[])
+    prompt = [5, 17, 33, 2, 8]
+    first = engine.generate(prompt, NEW)
+    second = engine.generate(prompt, NEW)
+    assert second.tokens == first.tokens
+    assert second.mean_accepted > 3 * first.mean_accepted / 2 and second.mean_accepted > 4
+    for p in ([1, 2], [3, 4], [6, 7]):  # evicted after two more requests
+        engine.generate(p, 5)
+    assert len(drafter.global_ids) == 2
+
+
+# -- recycling -------------------------------------------------------------------------------------
+
+def test_recycling_matrix_holds_latest_topk():
+    import torch
+
+    d = RecyclingDrafter(k=3)
+    logits = torch.zeros(3, 10)
+    logits[0, [4, 7, 1]] = torch.tensor([3.0, 2.0, 1.0])
+    logits[1, [2, 9, 5]] = torch.tensor([3.0, 2.0, 1.0])
+    logits[2, [6, 0, 8]] = torch.tensor([3.0, 2.0, 1.0])
+    d.learn([1, 4, 4], logits)  # token 4 appears twice: the later row wins
+    assert d.matrix[1].tolist() == [4, 7, 1] and d.matrix[4].tolist() == [6, 0, 8]
+    tree = d.propose([0, 1], 5)
+    assert tree.tokens[0] == 4 and tree.parents[0] == -1
+    for i, p in enumerate(tree.parents):
+        if p >= 0:
+            assert tree.scores[i] <= tree.scores[p]
+
+
+# -- sizing ----------------------------------------------------------------------------------------
+
+def _cost(per_token_ms):
+    toks = [1, 2, 4, 8, 16, 32, 64]
+    return CostModel(toks, [64], [[0.015 + per_token_ms * 1e-3 * (n - 1) for n in toks]])
+
+
+def test_best_size_follows_the_cost_curve():
+    scores = [0.9, 0.5, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01]
+    flat, steep = _cost(0.01), _cost(5.0)
+    assert best_size(scores, flat, 64) == len(scores)
+    assert 0 < best_size(scores, steep, 64) < best_size(scores, _cost(0.5), 64)
+    assert best_size([0.01, 0.001], steep, 64) == 0  # drafting does not pay: plain decoding
+
+
+def test_sizer_keeps_a_valid_subtree():
+    rng = random.Random(3)
+    sizer = TreeSizer(_cost(0.8))
+    for _ in range(100):
+        parents, scores = [], []
+        for i in range(rng.randint(1, 30)):
+            parents.append(rng.randrange(-1, i))
+            scores.append((scores[parents[-1]] if parents[-1] >= 0 else 1.0) * rng.random())
+        n = len(parents)
+        tree = DraftTree([rng.randrange(50) for _ in range(n)], parents, None, scores, list(range(n)))
+        kept = sizer.select(tree, 64)
+        assert len(kept) <= len(tree)
+        DraftTree(kept.tokens, kept.parents)  # parents precede children
+        ids = kept.tags  # original node index of each kept node
+        for i, p in enumerate(kept.parents):  # the same parent-child links as in the original
+            assert tree.parents[ids[i]] == (-1 if p < 0 else ids[p])
+        dropped = [tree.scores[i] for i in range(len(tree)) if i not in set(ids)]
+        if kept.scores and dropped:
+            assert min(kept.scores) >= max(dropped)
+
+
+def test_cost_model_interpolates():
+    c = CostModel([1, 4], [100, 300], [[0.01, 0.04], [0.03, 0.06]])
+    assert c.cost(1, 100) == pytest.approx(0.01)
+    assert c.cost(2, 100) == pytest.approx(0.02)
+    assert c.cost(1, 200) == pytest.approx(0.02)
+    assert c.cost(8, 100) == pytest.approx(0.08)  # extrapolated linearly
+    assert c.cost(1, 10) == pytest.approx(0.01)
+
+
+# -- auto ------------------------------------------------------------------------------------------
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_auto_bandit_converges_to_the_fastest_arm():
+    clock = FakeClock()
+    auto = AutoDrafter(clock=clock)
+    auto.reset([1, 2, 3], None, None)
+    # simulated: "none" commits 1 token in 16 ms; "suffix" 3 tokens in 20 ms; others 1 token in 25 ms
+    length = 3
+    for _ in range(300):
+        auto._close_step(length)
+        arm = auto.pick()
+        auto.chosen.append(arm)
+        auto._pending = (arm, clock.t, length)
+        gained, cost = {"none": (1, 0.016), "suffix": (3, 0.020)}.get(arm, (1, 0.025))
+        length += gained
+        clock.t += cost
+    late = Counter(auto.chosen[-100:])
+    assert late["suffix"] >= 80
+
+
+def test_auto_falls_back_to_plain_decoding_when_nothing_pays():
+    clock = FakeClock()
+    auto = AutoDrafter(clock=clock)
+    auto.reset([1], None, None)
+    length = 1
+    for _ in range(300):
+        auto._close_step(length)
+        arm = auto.pick()
+        auto.chosen.append(arm)
+        auto._pending = (arm, clock.t, length)
+        length += 1
+        clock.t += 0.016 if arm == "none" else 0.019  # drafting costs and never gains
+    assert Counter(auto.chosen[-100:])["none"] >= 80
