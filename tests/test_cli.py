@@ -75,3 +75,34 @@ def test_bench_writes_results(tmp_path, capsys):
     assert res["methods"]["ar"]["overall"]["identical_frac"] == 1.0
     assert (out / "results.md").read_text().startswith("Model")
     assert (out / "speedup.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["calibrate", "--dtypes", "int3"], "dtype"),
+    (["calibrate", "--dtypes", ","], "empty"),
+    (["bench", "--workload", "repeated", "--rounds", "0"], "rounds"),
+])
+def test_calibrate_and_workload_errors(capsys, argv, needle):
+    assert needle in _err(capsys, argv)
+
+
+@pytest.mark.slow
+def test_calibrate_writes_curve_and_plot(tmp_path, capsys):
+    out = tmp_path / "cal"
+    assert main(["calibrate", "--dtypes", "bfloat16", "--out", str(out)]) == 0
+    rep = json.loads((out / "calibration.json").read_text())
+    cost = rep["bfloat16"]["cost"]
+    assert cost["tokens"][0] == 1 and len(cost["seconds"]) == len(cost["contexts"])
+    assert all(s > 0 for row in cost["seconds"] for s in row)
+    assert (out / "calibration.png").stat().st_size > 1000
+    assert "tree budget" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_repeated_workload_reports_rounds(tmp_path):
+    out = tmp_path / "r"
+    assert main(["bench", "--workload", "repeated", "--rounds", "2", "--per-task", "1", "--max-new-tokens", "8",
+                 "--methods", "ar,suffix", "--out", str(out), "--no-progress"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res["methods"]["suffix"]["by_task"]) == {"round1", "round2"}
+    assert res["methods"]["suffix"]["overall"]["identical_frac"] is not None

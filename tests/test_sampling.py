@@ -23,6 +23,7 @@ from speculum.verify import Verifier
 
 VOCAB = 8
 PROMPT = [1, 5, 2]
+LIKELY = [0, 2, 4, 6, 7]  # tokens with sizeable probability under the test model
 PARAMS = SamplingParams(temperature=0.9, top_k=6, top_p=0.97)
 
 
@@ -48,7 +49,61 @@ class RandomChainDrafter(Drafter):
         self.rng = random.Random(seed)
 
     def propose(self, tokens, budget):
-        return DraftTree.chain([self.rng.choice([0, 2, 4, 6, 7]) for _ in range(min(2, budget))])
+        return DraftTree.chain([self.rng.choice(LIKELY) for _ in range(min(2, budget))])
+
+
+class RandomTreeDrafter(Drafter):
+    """Random trees without probabilities: 1-3 siblings per level (duplicates allowed), 2 levels,
+    tokens drawn from the likelier part of the vocabulary so that drafts are often accepted."""
+
+    name = "random_tree"
+
+    def __init__(self, seed=0):
+        self.rng = random.Random(seed)
+
+    def propose(self, tokens, budget):
+        toks, parents = [], []
+        for _ in range(self.rng.randint(1, 3)):
+            if len(toks) >= budget:
+                break
+            toks.append(self.rng.choice(LIKELY))
+            parents.append(-1)
+            node = len(toks) - 1
+            for _ in range(self.rng.randint(0, 2)):
+                if len(toks) < budget:
+                    toks.append(self.rng.choice(LIKELY))
+                    parents.append(node)
+        return DraftTree(toks, parents)
+
+
+class SampledTreeDrafter(Drafter):
+    """SpecInfer-style trees: at each level ``width`` siblings drawn i.i.d. from a draft model's q."""
+
+    name = "sampled_tree"
+
+    def __init__(self, draft, width=2):
+        self.draft, self.width = draft, width
+
+    def _q(self, seq):
+        with torch.no_grad():
+            return self.params.probs(self.draft(torch.tensor([seq])).logits[0, -1])
+
+    def propose(self, tokens, budget):
+        toks, parents, qs = [], [], []
+        q0 = self._q(tokens)
+        for _ in range(min(self.width, budget)):
+            x = int(torch.multinomial(q0, 1, generator=self.generator))
+            toks.append(x)
+            parents.append(-1)
+            qs.append(q0)
+        for node in range(len(toks)):
+            if len(toks) >= budget:
+                break
+            q1 = self._q(tokens + [toks[node]])
+            toks.append(int(torch.multinomial(q1, 1, generator=self.generator)))
+            parents.append(node)
+            qs.append(q1)
+        return DraftTree(toks, parents, torch.stack(qs) if qs else None)
 
 
 class NoResidualVerifier(Verifier):
@@ -88,15 +143,20 @@ def test_distribution_is_not_degenerate(model):
     assert max(exact.values()) < 0.5 and sum(v > 0.01 for v in exact.values()) >= 8
 
 
-@pytest.mark.parametrize("variant", ["ar", "point_mass_drafts", "draft_model_q"])
+@pytest.mark.parametrize("variant", ["ar", "point_mass_drafts", "draft_model_q", "point_mass_tree",
+                                     "sampled_tree_q"])
 def test_speculative_sampling_matches_target_distribution(model, variant):
     runner = HFRunner(model)
     if variant == "ar":
         drafter = AutoregressiveDrafter()
     elif variant == "point_mass_drafts":
         drafter = RandomChainDrafter()
-    else:
+    elif variant == "draft_model_q":
         drafter = DraftModelDrafter(tiny_llama(seed=3, vocab=VOCAB, logit_scale=5.0), num_draft=2, adaptive=False)
+    elif variant == "point_mass_tree":
+        drafter = RandomTreeDrafter()
+    else:
+        drafter = SampledTreeDrafter(tiny_llama(seed=4, vocab=VOCAB, logit_scale=5.0))
     engine = Engine(runner, drafter, eos_token_ids=[])
     n = 20000
     counts = sample_pairs(engine, n, seed0=1000)
@@ -107,8 +167,10 @@ def test_speculative_sampling_matches_target_distribution(model, variant):
         assert 1.1 < acc < 3.0
 
 
-def test_skipping_residual_resampling_is_detected(model):
-    engine = Engine(HFRunner(model), RandomChainDrafter(), eos_token_ids=[], verifier_cls=NoResidualVerifier)
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+def test_skipping_residual_resampling_is_detected(model, shape):
+    drafter = RandomChainDrafter() if shape == "chain" else RandomTreeDrafter(seed=1)
+    engine = Engine(HFRunner(model), drafter, eos_token_ids=[], verifier_cls=NoResidualVerifier)
     n = 20000
     p = chi2_pvalue(sample_pairs(engine, n, seed0=5000), exact_joint(model), n)
     assert p < 1e-6

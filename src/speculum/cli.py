@@ -1,4 +1,4 @@
-"""``speculum`` command line: ``generate`` and ``bench``.
+"""``speculum`` command line: ``generate``, ``bench`` and ``calibrate``.
 
 User mistakes (unknown model or method, bad parameters, empty prompt, ...) print one line
 ``speculum: error: ...`` and exit with status 2; they never show a traceback.
@@ -66,7 +66,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of {', '.join(METHODS)} (default: %(default)s)")
     b.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
     b.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    b.add_argument("--workload", choices=["specbench", "repeated"], default="specbench",
+                   help="specbench: each prompt of --data once (default); repeated: a bundled set of "
+                        "code-editing and agent-style requests replayed --rounds times, reported per round")
+    b.add_argument("--rounds", type=int, default=3, help="rounds of the repeated workload (default: %(default)s)")
     _add_model_args(b)
+
+    c = sub.add_parser("calibrate", help="measure the forward cost curve that sizes draft trees",
+                       description="Time one verification forward over 1..64 tree tokens at a few context "
+                                   "lengths for each dtype, cache the curve (the tree sizer reads it), print "
+                                   "it with the tree budget it implies, and plot it.")
+    c.add_argument("--model", default="default", help="as for generate (default: %(default)s)")
+    c.add_argument("--dtypes", default="bfloat16,float32",
+                   help="comma-separated dtypes to calibrate (default: %(default)s)")
+    c.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    c.add_argument("--force", action="store_true", help="measure again even if a cached curve exists")
+    c.add_argument("--out", default="calibration", help="directory for calibration.json/.md/.png "
+                                                          "(default: %(default)s)")
     return parser
 
 
@@ -127,7 +143,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench.data import demo_prompts_path, load_prompts
+    from .bench.data import demo_prompts_path, load_prompts, repeated_prompts_path, repeated_workload
     from .bench.harness import bench_meta, run_benchmark, write_outputs
     from .bench.report import markdown_table
     from .models import parse_dtype
@@ -143,7 +159,10 @@ def cmd_bench(args) -> int:
         raise SpeculumError("--max-new-tokens must be at least 1")
     parse_dtype(args.dtype)
     sampling = _sampling(args)
-    prompts = load_prompts(args.data or demo_prompts_path(), args.per_task)
+    if args.workload == "repeated":
+        prompts = repeated_workload(load_prompts(args.data or repeated_prompts_path(), args.per_task), args.rounds)
+    else:
+        prompts = load_prompts(args.data or demo_prompts_path(), args.per_task)
     model, tok, draft, draft_tok = _load(args)
     results, records = run_benchmark(model, tok, prompts, methods, args.max_new_tokens, sampling, args.chat,
                                      draft, draft_tok, seed=args.seed or 0, progress=not args.no_progress)
@@ -153,6 +172,50 @@ def cmd_bench(args) -> int:
     out = write_outputs(args.out, results, records, meta)
     print(markdown_table({**meta, **results}))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'speedup.png'}")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from pathlib import Path
+
+    from .bench.report import calibration_plot
+    from .calibrate import REFERENCE_SCORES, load_or_measure
+    from .models import load, parse_dtype
+    from .runner import runner_for
+    from .tree_sizing import best_size
+
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes:
+        raise SpeculumError("--dtypes is empty")
+    for d in dtypes:
+        parse_dtype(d)
+    curves, report = {}, {}
+    for d in dtypes:
+        model, _ = load(args.model, d, args.device)
+        cost = load_or_measure(runner_for(model), progress=True, force=args.force)
+        curves[d] = cost
+        report[d] = {"cost": cost.to_dict(),
+                     "budget": {str(c): best_size(REFERENCE_SCORES, cost, c) for c in cost.contexts}}
+        del model
+    lines = []
+    for d, cost in curves.items():
+        lines += [f"{d}: forward time in ms (rows: context length; columns: tokens in the forward)", "",
+                  "| context | " + " | ".join(str(n) for n in cost.tokens) + " | tree budget |",
+                  "|---:|" + "---:|" * (len(cost.tokens) + 1)]
+        for ctx, row in zip(cost.contexts, cost.seconds):
+            lines.append(f"| {ctx} | " + " | ".join(f"{1000 * s:.1f}" for s in row)
+                         + f" | {report[d]['budget'][str(ctx)]} |")
+        lines.append("")
+    lines.append("tree budget: nodes kept for a reference tree whose i-th best node is accepted with "
+                 "probability 0.8 * 0.93^i (the sizer uses each drafter's learnt scores instead).")
+    text = "\n".join(lines) + "\n"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "calibration.json").write_text(json.dumps(report, indent=1))
+    (out / "calibration.md").write_text(text)
+    calibration_plot(curves, out / "calibration.png", REFERENCE_SCORES)
+    print(text)
+    print(f"wrote {out / 'calibration.json'}, {out / 'calibration.md'}, {out / 'calibration.png'}")
     return 0
 
 
@@ -166,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        handler = {"generate": cmd_generate, "bench": cmd_bench}[args.command]
+        handler = {"generate": cmd_generate, "bench": cmd_bench, "calibrate": cmd_calibrate}[args.command]
         return handler(args)
     except SpeculumError as e:
         print(f"speculum: error: {e}", file=sys.stderr)

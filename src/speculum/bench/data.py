@@ -76,3 +76,20 @@ def load_prompts(path: str | Path, per_task: int | None = None) -> list[Prompt]:
                     picked.append(queue.pop(0))
         chosen.extend(picked)
     return chosen
+
+
+def repeated_prompts_path() -> Path:
+    """The bundled repeated workload: code-editing requests on one module and agent-style requests."""
+    return Path(str(files("speculum.bench") / "repeated_prompts.jsonl"))
+
+
+def repeated_workload(prompts: list[Prompt], rounds: int) -> list[Prompt]:
+    """``prompts`` replayed ``rounds`` times, as in agent loops and editing sessions.
+
+    Round ``r`` is the task ``round{r}``, so every report breaks results down by round; question ids
+    get ``@r{r}`` so each replay is its own record.
+    """
+    if rounds < 1:
+        raise SpeculumError("--rounds must be at least 1")
+    return [Prompt(f"{p.question_id}@r{r}", f"round{r}", p.category, p.text)
+            for r in range(1, rounds + 1) for p in prompts]

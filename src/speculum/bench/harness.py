@@ -31,6 +31,9 @@ from ..sampling import SamplingParams
 from .data import TASKS, Prompt
 
 
+WARMUP_PROMPT = "List three colours of the rainbow."
+
+
 @dataclass
 class Record:
     method: str
@@ -84,9 +87,11 @@ def run_benchmark(model, tokenizer, prompts: list[Prompt], methods: list[str], m
              for m in methods}
     encoded = [encode_prompt(tokenizer, p.text, chat) for p in prompts]
 
-    # warm-up: every method once on the first prompt (allocator, kernels, caches)
+    # warm-up: every method once on a prompt outside the data (allocator, kernels, caches), so
+    # that no cross-request drafter state (suffix cache, recycling matrix) has seen a benchmark answer
+    warm = encode_prompt(tokenizer, WARMUP_PROMPT, chat)
     for m in methods:
-        built[m].run(encoded[0], min(16, max_new_tokens), sampling, seed=seed)
+        built[m].run(warm, min(16, max_new_tokens), sampling, seed=seed)
 
     records: list[Record] = []
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", disable=not progress)

@@ -65,3 +65,43 @@ def speedup_plot(results: dict, path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def calibration_plot(curves: dict, path: str | Path, reference_scores: list[float]) -> None:
+    """Left: forward time against tree tokens, one line per (label, context). Right: expected
+    tokens per second against drafted nodes for ``reference_scores``, the chosen budget marked.
+
+    ``curves``: label (e.g. a dtype) -> :class:`~speculum.tree_sizing.CostModel`.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..tree_sizing import best_size
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for k, (label, cost) in enumerate(curves.items()):
+        color = f"C{k}"
+        for j, ctx in enumerate(cost.contexts):
+            left.plot(cost.tokens, [1000 * s for s in cost.seconds[j]], marker="o", ms=3, color=color,
+                      alpha=1.0 - 0.25 * j, label=f"{label}, context {ctx}")
+        ctx = cost.contexts[0]
+        nodes = list(range(0, min(64, len(reference_scores)) + 1))
+        rate = [(1 + sum(reference_scores[:n])) / cost.cost(n + 1, ctx) for n in nodes]
+        right.plot(nodes, rate, color=color, label=f"{label} (context {ctx})")
+        best = best_size(reference_scores, cost, ctx)
+        right.axvline(best, color=color, ls="--", lw=0.8)
+        right.annotate(f"budget {best}", (best, rate[best]), color=color, fontsize=8,
+                       xytext=(4, 4), textcoords="offset points")
+    left.set_xlabel("tokens in one forward (root + tree)")
+    left.set_ylabel("forward time (ms)")
+    left.set_title("verification cost")
+    left.legend(fontsize=7)
+    right.set_xlabel("drafted nodes kept")
+    right.set_ylabel("expected tokens / second")
+    right.set_title("reference tree: node i accepted w.p. 0.8 * 0.93^i")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
