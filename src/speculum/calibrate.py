@@ -22,6 +22,7 @@ import torch
 
 from .tree import DraftTree
 from .tree_sizing import CostModel
+from .verify import greedy_tokens
 
 TOKEN_COUNTS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
 CONTEXTS = [64, 512, 2048]
@@ -78,7 +79,7 @@ def measure(runner, token_counts=TOKEN_COUNTS, contexts=None, repeats: int = REP
                 tree = _tree(n, vocab, rng)
                 t0 = time.perf_counter()
                 logits = runner.forward_tree(cache, rng.randrange(vocab), tree)
-                logits.argmax(-1).tolist()  # the verifier's first step; synchronises a GPU
+                greedy_tokens(logits)  # the verifier's first step; synchronises a GPU
                 if rep:
                     times[n].append(time.perf_counter() - t0)
                 cache.pending = 0

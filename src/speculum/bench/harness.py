@@ -30,7 +30,6 @@ from ..runner import runner_for
 from ..sampling import SamplingParams
 from .data import TASKS, Prompt
 
-
 WARMUP_PROMPT = "List three colours of the rainbow."
 
 

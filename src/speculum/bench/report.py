@@ -87,7 +87,7 @@ def calibration_plot(curves: dict, path: str | Path, reference_scores: list[floa
             left.plot(cost.tokens, [1000 * s for s in cost.seconds[j]], marker="o", ms=3, color=color,
                       alpha=1.0 - 0.25 * j, label=f"{label}, context {ctx}")
         ctx = cost.contexts[0]
-        nodes = list(range(0, min(64, len(reference_scores)) + 1))
+        nodes = list(range(min(64, len(reference_scores)) + 1))
         rate = [(1 + sum(reference_scores[:n])) / cost.cost(n + 1, ctx) for n in nodes]
         right.plot(nodes, rate, color=color, label=f"{label} (context {ctx})")
         best = best_size(reference_scores, cost, ctx)

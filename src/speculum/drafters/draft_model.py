@@ -71,7 +71,7 @@ class DraftModelDrafter(Drafter):
             self.cache.commit()
             self.seen.append(last)
             if self.params.greedy:
-                nxt = int(logits.argmax())
+                nxt = int(logits.max(-1).indices)
             else:
                 q = self.params.probs(logits)
                 nxt = int(torch.multinomial(q, 1, generator=self.generator))

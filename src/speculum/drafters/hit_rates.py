@@ -16,6 +16,7 @@ from collections.abc import Hashable
 import torch
 
 from ..tree import DraftTree
+from ..verify import Acceptance, greedy_tokens
 
 
 class HitRates:
@@ -39,18 +40,19 @@ class HitRates:
         s[1] = s[1] * self.decay + 1.0
 
 
-def node_hits(tree: DraftTree, logits: torch.Tensor, accepted: list[int]) -> list[bool | None]:
-    """``[n]``: for each node whose parent was accepted (``accepted``: the accepted node indices)
-    or is the root, whether its token is the target's argmax there; ``None`` for untested nodes."""
-    target = logits.argmax(-1).tolist()  # [n + 1]
-    ok = set(accepted)
+def node_hits(tree: DraftTree, logits: torch.Tensor, acceptance: Acceptance) -> list[bool | None]:
+    """``[n]``: for each node whose parent was accepted or is the root, whether its token is the
+    target's argmax there; ``None`` for untested nodes."""
+    target = acceptance.target if acceptance.target is not None else greedy_tokens(logits)  # [n + 1]
+    ok = set(acceptance.path)
     return [tok == target[p + 1] if (p < 0 or p in ok) else None for tok, p in zip(tree.tokens, tree.parents)]
 
 
-def record_tree(rates: HitRates, source: str, tree: DraftTree, logits: torch.Tensor, accepted: list[int]) -> None:
+def record_tree(rates: HitRates, source: str, tree: DraftTree, logits: torch.Tensor,
+                acceptance: Acceptance) -> None:
     """Record the tested nodes of ``tree`` tagged ``(source, key)`` in ``rates``."""
     if tree.tags is None or not any(t is not None and t[0] == source for t in tree.tags):
         return
-    for tag, hit in zip(tree.tags, node_hits(tree, logits, accepted)):
+    for tag, hit in zip(tree.tags, node_hits(tree, logits, acceptance)):
         if hit is not None and tag is not None and tag[0] == source:
             rates.record(tag[1], hit)

@@ -93,5 +93,5 @@ class RecyclingDrafter(Drafter):
         # update runs only when every token of the acceptance was committed, so the root sits
         # just before them
         root = tokens[-len(acceptance.tokens) - 1]
-        record_tree(self.rates, SOURCE, tree, logits, acceptance.path)
+        record_tree(self.rates, SOURCE, tree, logits, acceptance)
         self.learn([root] + tree.tokens, logits)

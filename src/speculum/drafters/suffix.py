@@ -118,7 +118,7 @@ class SuffixDrafter(Drafter):
 
     def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits=None) -> None:
         if logits is not None:
-            record_tree(self.rates, SOURCE, tree, logits, acceptance.path)
+            record_tree(self.rates, SOURCE, tree, logits, acceptance)
 
     def finish(self, tokens: list[int]) -> None:
         """Add this request's output to the global trie; evict the oldest beyond ``cache_requests``."""
