@@ -142,7 +142,7 @@ def test_recycling_matrix_holds_latest_topk():
     logits[0, [4, 7, 1]] = torch.tensor([3.0, 2.0, 1.0])
     logits[1, [2, 9, 5]] = torch.tensor([3.0, 2.0, 1.0])
     logits[2, [6, 0, 8]] = torch.tensor([3.0, 2.0, 1.0])
-    d.learn([1, 4, 4], logits)  # token 4 appears twice: the later row wins
+    d.learn([1, 4, 4], [0, 1, 4], logits)  # token 4 appears twice: the later row wins
     assert d.matrix[1].tolist() == [4, 7, 1] and d.matrix[4].tolist() == [6, 0, 8]
     tree = d.propose([0, 1], 5)
     assert tree.tokens[0] == 4 and tree.parents[0] == -1
@@ -210,18 +210,18 @@ def test_auto_bandit_converges_to_the_fastest_arm():
     clock = FakeClock()
     auto = AutoDrafter(clock=clock)
     auto.reset([1, 2, 3], None, None)
-    # simulated: "none" commits 1 token in 16 ms; "suffix" 3 tokens in 20 ms; others 1 token in 25 ms
+    # simulated: "none" commits 1 token in 16 ms; "mix" 3 tokens in 20 ms; others 1 token in 25 ms
     length = 3
     for _ in range(300):
         auto._close_step(length)
         arm = auto.pick()
         auto.chosen.append(arm)
         auto._pending = (arm, clock.t, length)
-        gained, cost = {"none": (1, 0.016), "suffix": (3, 0.020)}.get(arm, (1, 0.025))
+        gained, cost = {"none": (1, 0.016), "mix": (3, 0.020)}.get(arm, (1, 0.025))
         length += gained
         clock.t += cost
     late = Counter(auto.chosen[-100:])
-    assert late["suffix"] >= 80
+    assert late["mix"] >= 80
 
 
 def test_auto_falls_back_to_plain_decoding_when_nothing_pays():

@@ -10,7 +10,7 @@ GenerationResult`` so that the CLI and the benchmark treat them alike.
 ``suffix``      SuffixDecoding: suffix tries over this request and previous outputs
 ``recycling``   Token Recycling: an adjacency matrix of recent top-k candidates, grown into a tree
 ``mix``         suffix and recycling candidates merged into one tree
-``auto``        a bandit over mix / suffix / recycling / ngram / none by measured tokens per second
+``auto``        a bandit over mix / ngram / none by measured tokens per second
 ``draft_model`` a smaller model with the same tokenizer drafts chains (needs ``draft_model=``)
 ``hf``          ``model.generate`` (transformers' own plain decoding; ``speedup_vs_hf``)
 ``hf_pld``      ``model.generate(prompt_lookup_num_tokens=10)``

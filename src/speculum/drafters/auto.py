@@ -1,7 +1,9 @@
 """``auto``: a bandit that picks, step by step, the drafter that yields the most tokens per second.
 
-Arms: ``mix`` (suffix + recycling), ``suffix``, ``recycling``, ``ngram`` and ``none`` (plain
-decoding). The reward of an arm is measured, not predicted: the tokens committed by the steps
+Arms: ``mix`` (suffix + recycling trees), ``ngram`` (prompt-lookup chains, which reach further
+on long verbatim copies) and ``none`` (plain decoding). Standalone ``suffix`` and ``recycling``
+arms were dropped after measuring: ``mix`` contains both, and every extra arm costs
+exploration steps. The reward of an arm is measured, not predicted: the tokens committed by the steps
 it drafted over the wall time of those steps (time from one ``propose`` to the next, so drafting,
 verification and bookkeeping all count). Estimates are discounted sums (``gamma`` per step) so
 they follow the text, and they persist across requests. Each step picks the arm with the
@@ -36,8 +38,6 @@ class AutoDrafter(Drafter):
         self.suffix, self.recycling, self.ngram = SuffixDrafter(), RecyclingDrafter(), NgramDrafter()
         self.arms: dict[str, Drafter] = {
             "mix": MixDrafter([self.suffix, self.recycling]),
-            "suffix": self.suffix,
-            "recycling": self.recycling,
             "ngram": self.ngram,
             "none": AutoregressiveDrafter(),
         }

@@ -13,11 +13,13 @@ path), keeping nodes whose probability is at least ``min_token_prob`` and at mos
 paper. Trees from both tries are merged.
 
 For the engine's tree sizer each node also carries a calibrated score: the product of learnt
-hit rates keyed by (trie, match length, empirical probability bucket).
+hit rates keyed by (trie, length of the context match the node extends, which grows with its
+depth, and empirical probability bucket).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import deque
@@ -31,9 +33,17 @@ from .suffix_index import SuffixIndex
 SOURCE = "suffix"
 
 
+_BUCKETS = (1, 2, 3, 4, 6, 9, 14, 22)
+
+
+def _length_bucket(length: int) -> int:
+    """Match lengths 1, 2, 3, 4, 5-6, 7-9, 10-14, 15-22, 23+ -> 0..8."""
+    return bisect.bisect_left(_BUCKETS, length)
+
+
 def _prior(key) -> float:
-    _trie, m, fbucket = key
-    return min(0.9, (0.3 + 0.05 * m) * (fbucket + 0.5) / 4)
+    _trie, bucket, fbucket = key
+    return min(0.9, (0.3 + 0.06 * bucket) * (fbucket + 0.5) / 4)
 
 
 class SuffixDrafter(Drafter):
@@ -86,12 +96,12 @@ class SuffixDrafter(Drafter):
         if m == 0:
             return
         limit = math.ceil(self.max_spec_factor * m)
-        mkey = min(m, 8)
         children, count = index.children, index.count
-        heap: list = []  # (-empirical path prob, tie, trie node, tree parent, parent score, token, cond)
+        # (-empirical path prob, tie, trie node, tree parent, parent score, token, cond, depth)
+        heap: list = []
         tie = 0
 
-        def push(tnode: int, prob: float, parent: int, parent_score: float) -> None:
+        def push(tnode: int, prob: float, parent: int, parent_score: float, depth: int) -> None:
             nonlocal tie
             kids = children[tnode]
             total = sum(count[c] for c in kids.values())
@@ -99,17 +109,18 @@ class SuffixDrafter(Drafter):
                 cond = count[c] / total
                 if prob * cond >= self.min_token_prob:
                     tie += 1
-                    heapq.heappush(heap, (-prob * cond, tie, c, parent, parent_score, tok, cond))
+                    heapq.heappush(heap, (-prob * cond, tie, c, parent, parent_score, tok, cond, depth))
 
-        push(node, 1.0, -1, 1.0)
+        push(node, 1.0, -1, 1.0, 1)
         added = 0
         while heap and added < limit and len(builder) < end:
-            neg, _, tnode, parent, parent_score, tok, cond = heapq.heappop(heap)
-            key = (trie, mkey, min(int(cond * 4), 3))
+            neg, _, tnode, parent, parent_score, tok, cond, depth = heapq.heappop(heap)
+            # the context this node is predicted from matches the history over m + depth - 1 tokens
+            key = (trie, _length_bucket(m + depth - 1), min(int(cond * 4), 3))
             score = parent_score * self.rates.p(key)
             tree_node = builder.add(parent, tok, score, (SOURCE, key))
             added += 1
-            push(tnode, -neg, tree_node, score)
+            push(tnode, -neg, tree_node, score, depth + 1)
 
     def propose(self, tokens: list[int], budget: int) -> DraftTree:
         builder = TreeBuilder()
