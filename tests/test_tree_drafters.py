@@ -78,7 +78,9 @@ def _trie_counts(index):
     out, stack = {}, [(0, ())]
     while stack:
         node, path = stack.pop()
-        for tok, child in index.children[node].items():
+        for child in index.children(node):
+            tok = index.token[child]
+            assert index.child(node, tok) == child
             out[path + (tok,)] = index.count[child]
             stack.append((child, path + (tok,)))
     return out

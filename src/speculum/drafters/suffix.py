@@ -96,20 +96,20 @@ class SuffixDrafter(Drafter):
         if m == 0:
             return
         limit = math.ceil(self.max_spec_factor * m)
-        children, count = index.children, index.count
+        count, token = index.count, index.token
         # (-empirical path prob, tie, trie node, tree parent, parent score, token, cond, depth)
         heap: list = []
         tie = 0
 
         def push(tnode: int, prob: float, parent: int, parent_score: float, depth: int) -> None:
             nonlocal tie
-            kids = children[tnode]
-            total = sum(count[c] for c in kids.values())
-            for tok, c in kids.items():
+            kids = index.children(tnode)
+            total = sum(count[c] for c in kids)
+            for c in kids:
                 cond = count[c] / total
                 if prob * cond >= self.min_token_prob:
                     tie += 1
-                    heapq.heappush(heap, (-prob * cond, tie, c, parent, parent_score, tok, cond, depth))
+                    heapq.heappush(heap, (-prob * cond, tie, c, parent, parent_score, token[c], cond, depth))
 
         push(node, 1.0, -1, 1.0, 1)
         added = 0
