@@ -27,6 +27,7 @@ from .verify import greedy_tokens
 TOKEN_COUNTS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
 CONTEXTS = [64, 512, 2048]
 REPEATS = 5
+FORMAT = 2  # bump when what is measured changes, so that stale cached curves are not reused
 
 # a reference acceptance profile for reporting the budget a cost curve implies: the scores of a
 # tree whose best nodes are accepted with probability 0.8, 0.7, ... decaying geometrically
@@ -46,7 +47,7 @@ def calibration_key(runner) -> str:
     import transformers
 
     cfg = runner.model.config.to_json_string(use_diff=False)
-    parts = [cfg, str(runner.dtype), str(runner.device), _machine(), torch.__version__,
+    parts = [str(FORMAT), cfg, str(runner.dtype), str(runner.device), _machine(), torch.__version__,
              transformers.__version__, os.environ.get("SPECULUM_PACKED_LINEAR", "1"), type(runner).__name__]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 

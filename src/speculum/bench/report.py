@@ -68,8 +68,9 @@ def speedup_plot(results: dict, path: str | Path) -> None:
 
 
 def calibration_plot(curves: dict, path: str | Path, reference_scores: list[float]) -> None:
-    """Left: forward time against tree tokens, one line per (label, context). Right: expected
-    tokens per second against drafted nodes for ``reference_scores``, the chosen budget marked.
+    """Left: forward time against tree tokens, one line per (label, context). Middle: the same
+    relative to one token (what the sizer trades against acceptance). Right: expected tokens per
+    second against drafted nodes for ``reference_scores``, the chosen budget marked.
 
     ``curves``: label (e.g. a dtype) -> :class:`~speculum.tree_sizing.CostModel`.
     """
@@ -80,12 +81,14 @@ def calibration_plot(curves: dict, path: str | Path, reference_scores: list[floa
 
     from ..tree_sizing import best_size
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4))
     for k, (label, cost) in enumerate(curves.items()):
         color = f"C{k}"
         for j, ctx in enumerate(cost.contexts):
             left.plot(cost.tokens, [1000 * s for s in cost.seconds[j]], marker="o", ms=3, color=color,
                       alpha=1.0 - 0.25 * j, label=f"{label}, context {ctx}")
+            mid.plot(cost.tokens, [s / cost.seconds[j][0] for s in cost.seconds[j]], marker="o", ms=3,
+                     color=color, alpha=1.0 - 0.25 * j, label=f"{label}, context {ctx}")
         ctx = cost.contexts[0]
         nodes = list(range(min(64, len(reference_scores)) + 1))
         rate = [(1 + sum(reference_scores[:n])) / cost.cost(n + 1, ctx) for n in nodes]
@@ -98,6 +101,10 @@ def calibration_plot(curves: dict, path: str | Path, reference_scores: list[floa
     left.set_ylabel("forward time (ms)")
     left.set_title("verification cost")
     left.legend(fontsize=7)
+    mid.set_xlabel("tokens in one forward (root + tree)")
+    mid.set_ylabel("time relative to one token")
+    mid.set_title("relative cost")
+    mid.legend(fontsize=7)
     right.set_xlabel("drafted nodes kept")
     right.set_ylabel("expected tokens / second")
     right.set_title("reference tree: node i accepted w.p. 0.8 * 0.93^i")
