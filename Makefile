@@ -22,7 +22,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 setup: $(BIN)/.installed
 
 demo: setup
-	$(BIN)/speculum bench --per-task 1 --max-new-tokens 64 --methods hf,hf_pld,ar,ngram --out bench-out/demo
+	$(BIN)/speculum bench --per-task 1 --max-new-tokens 64 --methods hf,hf_pld,ar,ngram,suffix,auto --out bench-out/demo
 
 test: setup
 	$(BIN)/python -m pytest -q --durations=10

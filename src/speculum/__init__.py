@@ -4,7 +4,7 @@ Quick start::
 
     import speculum
     model, tokenizer = speculum.load("default")          # SmolLM2-135M-Instruct, bfloat16
-    out = speculum.generate(model, tokenizer, "Summarize: ...", method="ngram", max_new_tokens=128)
+    out = speculum.generate(model, tokenizer, "Summarize: ...", method="auto", max_new_tokens=128)
     print(out.text, out.tok_s, out.mean_accepted)
 """
 
@@ -34,13 +34,16 @@ __all__ = [
 ]
 
 
-def generate(model, tokenizer, prompt: str, method: str = "ngram", max_new_tokens: int = 128,
+def generate(model, tokenizer, prompt: str, method: str = "auto", max_new_tokens: int = 128,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
              stop=(), chat: bool | None = None, draft_model=None, draft_tokenizer=None,
              **options) -> GenerationResult:
     """Generate a completion of ``prompt`` with ``method`` (see :data:`METHODS`).
 
-    ``chat=None`` applies the tokenizer's chat template when it has one.
+    ``chat=None`` applies the tokenizer's chat template when it has one. Each call builds a fresh
+    drafter; for a stream of requests build the method once with :func:`build_method` and call
+    its ``run``, so that drafters that learn across requests (``suffix``, ``recycling``,
+    ``auto``) keep what they learnt.
     """
     params = SamplingParams(temperature, top_k, top_p)
     runner = build_method(method, model, tokenizer, draft_model, draft_tokenizer, **options)

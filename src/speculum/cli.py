@@ -15,7 +15,7 @@ import sys
 from .errors import SpeculumError
 from .methods import ENGINE_METHODS, HF_METHODS, METHODS
 
-DEFAULT_BENCH_METHODS = "hf,hf_pld,ar,ngram"
+DEFAULT_BENCH_METHODS = "hf,hf_pld,ar,ngram,suffix,auto"
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt (streamed)",
                        description="Generate a completion, streaming tokens as they are accepted.")
     g.add_argument("--prompt", required=True, help="the prompt text")
-    g.add_argument("--method", default="ngram",
+    g.add_argument("--method", default="auto",
                    help=f"decoding method: {', '.join(METHODS)} (default: %(default)s)")
     g.add_argument("--max-new-tokens", type=int, default=256, help="(default: %(default)s)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not included in the output")

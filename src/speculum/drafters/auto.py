@@ -34,7 +34,7 @@ from .suffix import SuffixDrafter
 class AutoDrafter(Drafter):
     name = "auto"
 
-    def __init__(self, gamma: float = 0.99, explore: float = 0.1, clock=time.perf_counter):
+    def __init__(self, gamma: float = 0.99, explore: float = 0.25, clock=time.perf_counter):
         self.suffix, self.recycling, self.ngram = SuffixDrafter(), RecyclingDrafter(), NgramDrafter()
         self.arms: dict[str, Drafter] = {
             "mix": MixDrafter([self.suffix, self.recycling]),
@@ -52,6 +52,12 @@ class AutoDrafter(Drafter):
         super().reset(prompt_ids, params, generator)
         for d in (self.suffix, self.recycling, self.ngram):
             d.reset(prompt_ids, params, generator)
+        # a new request may be a different kind of text: halve the evidence so every arm gets
+        # re-tried early (estimates are kept, confidence is not)
+        for a in self.arms:
+            self.tokens_sum[a] *= 0.5
+            self.time_sum[a] *= 0.5
+            self.pulls[a] *= 0.5
         self.chosen = []
         self._pending = None
 
