@@ -82,7 +82,7 @@ class SuffixDrafter(Drafter):
             self.seen = len(tokens)
 
     def expand(self, builder: TreeBuilder, context: list[int], budget: int) -> None:
-        """Add both tries' trees for ``context`` to ``builder``, at most ``budget`` new nodes each."""
+        """Add both tries' trees for ``context`` to ``builder``: at most ``budget`` new nodes in all."""
         self._sync(context)
         end = len(builder) + budget
         for name, index in (("local", self.local), ("global", self.global_index)):
