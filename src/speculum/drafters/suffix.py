@@ -14,7 +14,9 @@ paper. Trees from both tries are merged.
 
 For the engine's tree sizer each node also carries a calibrated score: the product of learnt
 hit rates keyed by (trie, length of the context match the node extends, which grows with its
-depth, and empirical probability bucket).
+depth, empirical probability bucket, and whether the previous step accepted 4 or more tokens:
+hits along a verbatim copy are correlated, and without that feature scores of long copies came
+out too low).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def _length_bucket(length: int) -> int:
 
 
 def _prior(key) -> float:
-    _trie, bucket, fbucket = key
+    _trie, bucket, fbucket, _streak = key
     return min(0.9, (0.3 + 0.06 * bucket) * (fbucket + 0.5) / 4)
 
 
@@ -75,6 +77,7 @@ class SuffixDrafter(Drafter):
         self.local.extend(0, list(prompt_ids))
         self.seen = len(prompt_ids)
         self.prompt_len = len(prompt_ids)
+        self.streak = 0
 
     def _sync(self, tokens: list[int]) -> None:
         if len(tokens) > self.seen:
@@ -116,7 +119,7 @@ class SuffixDrafter(Drafter):
         while heap and added < limit and len(builder) < end:
             neg, _, tnode, parent, parent_score, tok, cond, depth = heapq.heappop(heap)
             # the context this node is predicted from matches the history over m + depth - 1 tokens
-            key = (trie, _length_bucket(m + depth - 1), min(int(cond * 4), 3))
+            key = (trie, _length_bucket(m + depth - 1), min(int(cond * 4), 3), self.streak)
             score = parent_score * self.rates.p(key)
             tree_node = builder.add(parent, tok, score, (SOURCE, key))
             added += 1
@@ -130,6 +133,9 @@ class SuffixDrafter(Drafter):
     def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits=None) -> None:
         if logits is not None:
             record_tree(self.rates, SOURCE, tree, logits, acceptance)
+        # copying runs: after a step that accepted 4+ tokens the next draft is likelier to hold
+        # (hits along a copy are correlated, which a product of per-node rates misses)
+        self.streak = int(len(acceptance.path) >= 4)
 
     def finish(self, tokens: list[int]) -> None:
         """Add this request's output to the global trie; evict the oldest beyond ``cache_requests``."""
