@@ -208,34 +208,26 @@ class FakeClock:
         return self.t
 
 
-def test_auto_bandit_converges_to_the_fastest_arm():
+def _simulate_auto(outcome, steps=300):
+    """Drive ``auto`` with a fake clock: ``outcome(arm) -> (tokens gained, seconds)``; return its choices."""
     clock = FakeClock()
     auto = AutoDrafter(clock=clock)
     auto.reset([1, 2, 3], None, None)
-    # simulated: "none" commits 1 token in 16 ms; "mix" 3 tokens in 20 ms; others 1 token in 25 ms
     length = 3
-    for _ in range(300):
-        auto._close_step(length)
-        arm = auto.pick()
-        auto.chosen.append(arm)
-        auto._pending = (arm, clock.t, length)
-        gained, cost = {"none": (1, 0.016), "mix": (3, 0.020)}.get(arm, (1, 0.025))
+    for _ in range(steps):
+        gained, cost = outcome(auto.start_step(length))
         length += gained
         clock.t += cost
-    late = Counter(auto.chosen[-100:])
-    assert late["mix"] >= 80
+    return auto.chosen
+
+
+def test_auto_bandit_converges_to_the_fastest_arm():
+    # simulated: "none" commits 1 token in 16 ms; "mix" 3 tokens in 20 ms; others 1 token in 25 ms
+    chosen = _simulate_auto(lambda arm: {"none": (1, 0.016), "mix": (3, 0.020)}.get(arm, (1, 0.025)))
+    assert Counter(chosen[-100:])["mix"] >= 80
 
 
 def test_auto_falls_back_to_plain_decoding_when_nothing_pays():
-    clock = FakeClock()
-    auto = AutoDrafter(clock=clock)
-    auto.reset([1], None, None)
-    length = 1
-    for _ in range(300):
-        auto._close_step(length)
-        arm = auto.pick()
-        auto.chosen.append(arm)
-        auto._pending = (arm, clock.t, length)
-        length += 1
-        clock.t += 0.016 if arm == "none" else 0.019  # drafting costs and never gains
-    assert Counter(auto.chosen[-100:])["none"] >= 80
+    # drafting costs and never gains
+    chosen = _simulate_auto(lambda arm: (1, 0.016 if arm == "none" else 0.019))
+    assert Counter(chosen[-100:])["none"] >= 80

@@ -1,9 +1,9 @@
 """Measure what a verification forward costs on this machine, once, and keep it on disk.
 
-``calibrate(runner)`` times :meth:`Runner.forward_tree` over ``n`` tree tokens (``n`` in
+:func:`measure` times :meth:`Runner.forward_tree` over ``n`` tree tokens (``n`` in
 :data:`TOKEN_COUNTS`) after ``L`` cached tokens (``L`` in :data:`CONTEXTS`, those that fit), each
 the median of several interleaved repetitions after a warm-up. The result, a
-:class:`~speculum.tree_sizing.CostModel`, is cached as JSON under
+:class:`~speculum.tree_sizing.CostModel`, is cached by :func:`load_or_measure` as JSON under
 ``$SPECULUM_CACHE/calibration/`` keyed by the model's configuration, dtype, device, thread count
 and library versions, so it is measured once per model x dtype x device.
 ``speculum calibrate`` runs it from the command line and plots the curve.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import random
 import statistics
@@ -42,8 +43,6 @@ def _machine() -> str:
 
 def calibration_key(runner) -> str:
     """A hash of everything the forward cost depends on."""
-    import os
-
     import transformers
 
     cfg = runner.model.config.to_json_string(use_diff=False)

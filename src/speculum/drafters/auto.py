@@ -90,16 +90,19 @@ class AutoDrafter(Drafter):
         return max(self.arms, key=lambda a: self.rate(a) / best
                    + self.explore * math.sqrt(math.log(total + 1) / self.pulls[a]))
 
-    def propose(self, tokens: list[int], budget: int) -> DraftTree:
-        self._close_step(len(tokens))
+    def start_step(self, length: int) -> str:
+        """Credit the previous step, pick this step's arm and start its clock; ``length``: tokens so far."""
+        self._close_step(length)
         arm = self.pick()
         self.chosen.append(arm)
-        self._pending = (arm, self.clock(), len(tokens))
-        return self.arms[arm].propose(tokens, budget)
+        self._pending = (arm, self.clock(), length)
+        return arm
+
+    def propose(self, tokens: list[int], budget: int) -> DraftTree:
+        return self.arms[self.start_step(len(tokens))].propose(tokens, budget)
 
     def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits=None) -> None:
-        self.suffix.update(tokens, tree, acceptance, logits)
-        self.recycling.update(tokens, tree, acceptance, logits)
+        self.arms["mix"].update(tokens, tree, acceptance, logits)  # the suffix trie and recycling table
         if self.chosen and self.chosen[-1] == "ngram":
             self.ngram.update(tokens, tree, acceptance, logits)
 
