@@ -8,6 +8,11 @@ token, and the :class:`~speculum.cache.KVCache` keeps the accepted entries.
 Cache invariant: every committed token except the newest (the *root*) has its KV entry in the
 cache. Prefill therefore runs over ``prompt[:-1]`` and each step feeds the root first.
 
+Constrained decoding (``grammar=``): forced tokens are drafted as a chain instead of asking the
+drafter (jump-forward), drafted tokens the grammar forbids are pruned, and every verified row of
+logits is masked with the grammar state at its node, so the verifier accepts and samples from the
+constrained distribution: greedy output equals plain constrained decoding token for token.
+
 Stops: an EOS token, ``max_new_tokens``, a stop string or the model's context length. A stop
 inside an accepted draft ends generation exactly there: later accepted tokens are discarded.
 """
@@ -20,10 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .constrain.matcher import Grammar, mask_logits, restrict_draft_probs
 from .drafters.base import Drafter
 from .errors import SpeculumError
 from .runner import runner_for
 from .sampling import SamplingParams
+from .tree import DraftTree
 from .tree_sizing import TreeSizer
 from .verify import Verifier
 
@@ -38,6 +45,8 @@ class StepStats:
     draft_s: float
     verify_s: float
     other_s: float
+    forced: int = 0  # drafted tokens the grammar forced (jump-forward), included in ``drafted``
+    mask_s: float = 0.0  # grammar work: pruning the tree and computing the masks (in draft_s)
 
 
 @dataclass
@@ -79,6 +88,8 @@ class GenerationResult:
             "time_draft_s": round(sum(s.draft_s for s in self.steps), 4),
             "time_verify_s": round(sum(s.verify_s for s in self.steps), 4),
             "time_other_s": round(sum(s.other_s for s in self.steps), 4),
+            "forced": sum(s.forced for s in self.steps),
+            "time_mask_s": round(sum(s.mask_s for s in self.steps), 4),
         }
 
 
@@ -150,12 +161,19 @@ class Engine:
             eos_token_ids = default_eos_ids(getattr(self.runner, "model", None), tokenizer)
         self.eos_ids = set(eos_token_ids)
 
+    def compile(self, spec) -> Grammar:
+        """Compile a :class:`~speculum.constrain.ConstraintSpec` for this engine's tokenizer and logits."""
+        if self.tokenizer is None:
+            raise SpeculumError("constrained decoding needs the engine's tokenizer")
+        return Grammar(spec, self.tokenizer, self.runner.vocab_size, sorted(self.eos_ids))
+
     def stream(self, prompt_ids: Sequence[int], max_new_tokens: int = 128,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (), seed: int | None = None,
-               ) -> Iterator[list[int]]:
+               grammar: Grammar | None = None) -> Iterator[list[int]]:
         """Yield lists of newly committed token ids; ``return`` the :class:`GenerationResult`.
 
-        Use :meth:`generate` unless you need the tokens as they are accepted.
+        Use :meth:`generate` unless you need the tokens as they are accepted. ``grammar``
+        constrains the output (:class:`~speculum.constrain.Grammar`, compiled for this tokenizer).
         """
         sampling = sampling or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
@@ -165,6 +183,12 @@ class Engine:
             gen = torch.Generator(device=self.runner.device)
             gen.manual_seed(seed if seed is not None else int(torch.seed() % (1 << 62)))
         verifier = self.verifier_cls(sampling, gen)
+        matcher = None
+        if grammar is not None:
+            if grammar.width != self.runner.vocab_size:
+                raise SpeculumError(f"the grammar was compiled for logits {grammar.width} wide, "
+                                    f"the model's are {self.runner.vocab_size}")
+            matcher = grammar.matcher()
         stops = _StopChecker(self.tokenizer, self.eos_ids, stop)
         max_len = self.runner.max_positions
 
@@ -180,14 +204,32 @@ class Engine:
         reason = None
         while reason is None:
             t_a = time.perf_counter()
-            room = min(self.max_tree, max_new_tokens - len(generated) - 1, max_len - len(tokens) - 1)
-            tree = self.drafter.propose(tokens, max(room, 0))
-            if len(tree) > max(room, 0):
-                raise RuntimeError(f"{self.drafter.name} drafted {len(tree)} nodes with a budget of {room}")
-            if self.sizer is not None:
+            room = max(min(self.max_tree, max_new_tokens - len(generated) - 1, max_len - len(tokens) - 1), 0)
+            t_m = time.perf_counter()
+            forced = matcher.forced(room) if matcher is not None else []
+            mask_s = time.perf_counter() - t_m
+            if forced:  # jump-forward: the grammar's forced tokens are the draft
+                tree = DraftTree.chain(forced)
+                tree.scores = [1.0] * len(forced)
+            else:
+                tree = self.drafter.propose(tokens, room)
+                if len(tree) > room:
+                    raise RuntimeError(f"{self.drafter.name} drafted {len(tree)} nodes with a budget of {room}")
+            if matcher is not None:
+                t_m = time.perf_counter()
+                tree = matcher.prune(tree)
+                mask_s += time.perf_counter() - t_m
+            if self.sizer is not None and not forced:
                 tree = self.sizer.select(tree, cache.length)
+            if matcher is not None:
+                t_m = time.perf_counter()
+                allowed = matcher.allowed(tree)  # [n + 1, V]
+                tree = restrict_draft_probs(tree, allowed)
+                mask_s += time.perf_counter() - t_m
             t_b = time.perf_counter()
             logits = self.runner.forward_tree(cache, tokens[-1], tree)
+            if matcher is not None:
+                logits = mask_logits(logits, allowed)
             acc = verifier.accept(tree, logits)
             t_c = time.perf_counter()
             cache.commit([0] + [i + 1 for i in acc.path])
@@ -203,10 +245,13 @@ class Engine:
             tokens.extend(new)
             if reason is None and len(tokens) >= max_len:
                 reason = "context"
-            if reason is None:
+            if matcher is not None:
+                matcher.commit(new)
+            if reason is None and not forced:  # a forced chain is not the drafter's proposal
                 self.drafter.update(tokens, tree, acc, logits)
             t_d = time.perf_counter()
-            steps.append(StepStats(len(tree), len(acc.path), len(new), t_b - t_a, t_c - t_b, t_d - t_c))
+            steps.append(StepStats(len(tree), len(acc.path), len(new), t_b - t_a, t_c - t_b, t_d - t_c,
+                                   len(tree) if forced else 0, mask_s))
             if new:
                 yield new
         self.drafter.finish(tokens)
@@ -216,9 +261,10 @@ class Engine:
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 128,
                  sampling: SamplingParams | None = None, stop: Sequence[str] = (), seed: int | None = None,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+                 on_tokens: Callable[[list[int]], None] | None = None,
+                 grammar: Grammar | None = None) -> GenerationResult:
         """Run to a stop and return the result; ``on_tokens`` receives each committed chunk."""
-        it = self.stream(prompt_ids, max_new_tokens, sampling, stop, seed)
+        it = self.stream(prompt_ids, max_new_tokens, sampling, stop, seed, grammar)
         while True:
             try:
                 chunk = next(it)

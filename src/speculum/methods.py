@@ -55,8 +55,12 @@ class EngineMethod:
 
     def run(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
             stop: Sequence[str] = (), seed: int | None = None,
-            on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-        return self.engine.generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens)
+            on_tokens: Callable[[list[int]], None] | None = None, grammar=None) -> GenerationResult:
+        return self.engine.generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, grammar)
+
+    def compile(self, spec):
+        """A :class:`~speculum.constrain.Grammar` for ``spec`` (pass it to :meth:`run` as ``grammar``)."""
+        return self.engine.compile(spec)
 
 
 class HFMethod:
@@ -71,7 +75,14 @@ class HFMethod:
     def _count(self, *args):
         self._calls += 1
 
-    def run(self, prompt_ids, max_new_tokens=128, sampling=None, stop=(), seed=None, on_tokens=None):
+    def compile(self, spec):
+        from .constrain import Grammar
+
+        width = self.model.get_output_embeddings().weight.shape[0]
+        return Grammar(spec, self.tokenizer, width, self.eos_ids)
+
+    def run(self, prompt_ids, max_new_tokens=128, sampling=None, stop=(), seed=None, on_tokens=None,
+            grammar=None):
         from transformers import GenerationConfig
 
         sampling = sampling or SamplingParams()
@@ -93,6 +104,12 @@ class HFMethod:
         kwargs = {"generation_config": cfg, "tokenizer": self.tokenizer}
         if self.assistant is not None:
             kwargs["assistant_model"] = self.assistant
+        if grammar is not None:
+            from transformers import LogitsProcessorList
+
+            from .constrain.hf_processor import GrammarLogitsProcessor
+
+            kwargs["logits_processor"] = LogitsProcessorList([GrammarLogitsProcessor(grammar, len(prompt_ids))])
         if seed is not None:
             torch.manual_seed(seed)
         device = next(self.model.parameters()).device

@@ -1,0 +1,184 @@
+"""llguidance glue: compile a :class:`~speculum.constrain.spec.ConstraintSpec` for a tokenizer and walk
+draft trees with the grammar's matcher.
+
+Why llguidance (measured on the 100 JSONSchemaBench development schemas with SmolLM2's
+tokenizer: docs/structured/grammar_engines.md): it is sound, refusing what it cannot enforce.
+It compiled 92 schemas; the 8 it refused use non-disjoint ``oneOf``, a ``url`` format or
+``dependencies``. Every output it allowed validated. xgrammar 0.2.8 compiled 99, but it
+silently approximated 10 of them, and 4 of its complete outputs broke their schema. llguidance
+also compiles in about 1 ms (median; 17 ms at most), where xgrammar needs 3 ms median and up to
+0.7 s. Masks take 4 µs (median) to 120 µs (p99) per token, small against a ~20 ms forward pass.
+Its matcher rolls back any number of tokens, which walking a draft tree needs.
+
+The bitmask is sized from the *logits' width*, not the tokenizer's vocabulary: models pad their
+output layer (SmolLM2: 49152 rows for 49152 tokens, Gemma-3: 262144 rows), and ids the tokenizer
+does not know are never allowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ..errors import SpeculumError
+from ..tree import DraftTree
+from .spec import ConstraintSpec
+
+_TOKENIZERS: dict[tuple[int, int, tuple[int, ...]], object] = {}
+
+
+def ll_tokenizer(tokenizer, width: int, eos_ids: Sequence[int]):
+    """llguidance's view of a Hugging Face fast tokenizer (built once per tokenizer, ~0.3 s)."""
+    import llguidance.hf
+
+    if not eos_ids:
+        raise SpeculumError("constrained decoding needs an end-of-sequence token id to end the output")
+    key = (id(tokenizer), width, tuple(sorted(eos_ids)))
+    if key not in _TOKENIZERS:
+        try:
+            _TOKENIZERS[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=width,
+                                                            eos_token=sorted(eos_ids))
+        except (ValueError, TypeError, AttributeError, RuntimeError) as e:  # slow or unsupported tokenizers
+            raise SpeculumError(f"llguidance cannot use this tokenizer: {e}") from None
+    return _TOKENIZERS[key]
+
+
+class Grammar:
+    """A compiled constraint for one tokenizer; :meth:`matcher` starts a request's state.
+
+    Args:
+        spec: what the output must match.
+        tokenizer: a Hugging Face fast tokenizer.
+        width: the model's logits width ``V`` (rows of the output layer).
+        eos_ids: tokens that end generation; the grammar allows them once its text is complete.
+    """
+
+    def __init__(self, spec: ConstraintSpec, tokenizer, width: int, eos_ids: Sequence[int]):
+        from llguidance import LLMatcher
+
+        self.spec, self.width = spec, width
+        self.eos_ids = sorted(eos_ids)
+        self.lltok = ll_tokenizer(tokenizer, width, self.eos_ids)
+        self.text = spec.grammar()
+        error = LLMatcher.validate_grammar(self.text, self.lltok)
+        if error and not error.startswith("WARNING"):
+            raise SpeculumError(f"the {spec.kind} constraint cannot be compiled: {error.strip()}")
+
+    def matcher(self) -> TokenMatcher:
+        from llguidance import LLMatcher
+
+        m = LLMatcher(self.lltok, self.text, log_level=0)
+        if m.is_error():
+            raise SpeculumError(f"the {self.spec.kind} constraint cannot be compiled: {m.get_error()}")
+        return TokenMatcher(m, self.width, self.eos_ids)
+
+
+class TokenMatcher:
+    """One request's grammar state. Every method leaves the state where it found it except :meth:`commit`.
+
+    The end-of-sequence token is never fed to llguidance: ``validate_tokens`` does not count it and
+    rolling back over it undoes one token too many. It is legal exactly when the grammar accepts.
+    """
+
+    def __init__(self, matcher, width: int, eos_ids: Sequence[int]):
+        self.m, self.width, self.eos_ids = matcher, width, set(eos_ids)
+        self._mask_bytes = (width + 31) // 32 * 4
+
+    def _bits(self) -> np.ndarray:
+        """``[width/8]`` uint8: the bitmask of tokens allowed in the current state."""
+        return np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)[: self._mask_bytes]
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces next (its fast-forward tokens), validated."""
+        if limit <= 0 or self.m.is_stopped():
+            return []
+        ff = self.m.compute_ff_tokens()[:limit]
+        return ff[: self.m.validate_tokens(ff)] if ff else []
+
+    def prune(self, tree: DraftTree) -> DraftTree:
+        """``tree`` without the nodes the grammar forbids (and their descendants)."""
+        if len(tree) == 0:
+            return tree
+        kids = tree.children()
+        keep: list[int] = []
+
+        def walk(row: int) -> None:
+            for c in kids[row]:
+                tok = tree.tokens[c]
+                if tok in self.eos_ids:  # the end: legal once the grammar accepts; nothing follows it
+                    if self.m.is_accepting():
+                        keep.append(c)
+                elif self.m.validate_tokens([tok]) == 1:
+                    keep.append(c)
+                    self.m.consume_token(tok)
+                    walk(c + 1)
+                    self.m.rollback(1)
+
+        walk(0)
+        self._check()
+        return tree if len(keep) == len(tree) else tree.subtree(sorted(keep))
+
+    def allowed(self, tree: DraftTree) -> torch.Tensor:
+        """``[n + 1, V]`` bool: the tokens allowed after the root (row 0) and after each node of a
+        legal ``tree`` (row ``i + 1``). Rows after an end-of-sequence node allow everything: they are
+        never used, generation stops at that node."""
+        kids = tree.children()
+        rows: list[np.ndarray | None] = [None] * (len(tree) + 1)
+
+        def walk(row: int) -> None:
+            rows[row] = self._bits()
+            for c in kids[row]:
+                tok = tree.tokens[c]
+                if tok in self.eos_ids:
+                    continue  # generation ends at this node: its row is never used
+                if not self.m.consume_token(tok):
+                    raise RuntimeError(f"token {tok} is not legal here: prune the tree first")
+                walk(c + 1)
+                self.m.rollback(1)
+
+        walk(0)
+        self._check()
+        full = np.full(self._mask_bytes, 255, dtype=np.uint8)
+        bits = np.stack([r if r is not None else full for r in rows])  # [n + 1, width/8]
+        allowed = np.unpackbits(bits, axis=1, bitorder="little")[:, : self.width]
+        out = torch.from_numpy(allowed.astype(bool))
+        if not out[0].any():
+            raise SpeculumError("the constraint allows no token here (the grammar cannot be completed)")
+        return out
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Advance the state over generated ``tokens`` (all legal: they were sampled under the mask)."""
+        for t in tokens:
+            if t in self.eos_ids:  # generation ends here (and llguidance's rollback skips the end token)
+                return
+            if not self.m.consume_token(int(t)):
+                raise RuntimeError(f"generated token {t} violates the constraint: {self.m.get_error()}")
+
+    def is_accepting(self) -> bool:
+        return self.m.is_accepting()
+
+    def _check(self) -> None:
+        if self.m.is_error():
+            raise RuntimeError(f"grammar matcher error: {self.m.get_error()}")
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``[n + 1, V]`` with forbidden tokens at ``-inf`` (a new tensor)."""
+    return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def restrict_draft_probs(tree: DraftTree, allowed: torch.Tensor) -> DraftTree:
+    """Renormalize each node's draft distribution q over the tokens its parent's state allows.
+
+    Pruning drops drafted tokens the grammar forbids. A sampled draft that survives is then a draw
+    from q restricted to the allowed tokens, so verification must use that restricted q to stay
+    lossless (the acceptance ratio ``p(x)/q(x)`` and the residual ``p - q``).
+    """
+    if tree.draft_probs is None or len(tree) == 0:
+        return tree
+    parent_rows = torch.tensor([p + 1 for p in tree.parents])
+    q = tree.draft_probs * allowed[parent_rows].to(tree.draft_probs.device, tree.draft_probs.dtype)
+    q = q / q.sum(-1, keepdim=True).clamp_min(1e-30)
+    return DraftTree(tree.tokens, tree.parents, q, tree.scores, tree.tags)

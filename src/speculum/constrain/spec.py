@@ -1,0 +1,101 @@
+"""What the output must match: a JSON schema, any JSON object, a regex, one of fixed choices, or a
+Lark grammar. :meth:`ConstraintSpec.grammar` turns it into llguidance's grammar text.
+
+JSON is generated compactly but readably: ``", "`` between items, ``": "`` after keys and no
+other whitespace. Fixed separators make long runs of output forced by the grammar (keys, quotes,
+braces), which the engine verifies as free drafts (jump-forward) instead of decoding them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import SpeculumError
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """``kind`` is one of :data:`KINDS`; ``value`` is the schema (dict or JSON text), the regex, the
+    list of choices or the Lark grammar text (``None`` for ``json_object``)."""
+
+    kind: str
+    value: Any = None
+
+    @classmethod
+    def json_schema(cls, schema: dict | str) -> ConstraintSpec:
+        return cls("json_schema", schema)
+
+    @classmethod
+    def json_object(cls) -> ConstraintSpec:
+        return cls("json_object")
+
+    @classmethod
+    def regex(cls, pattern: str) -> ConstraintSpec:
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, options: list[str]) -> ConstraintSpec:
+        return cls("choice", tuple(options))
+
+    @classmethod
+    def lark(cls, grammar: str) -> ConstraintSpec:
+        return cls("grammar", grammar)
+
+    def grammar(self) -> str:
+        """llguidance grammar text for this spec; :class:`SpeculumError` when the value is malformed."""
+        from llguidance import LLMatcher
+
+        if self.kind not in KINDS:
+            raise SpeculumError(f"unknown constraint kind {self.kind!r}; choose from {', '.join(KINDS)}")
+        if self.kind == "json_object":
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if self.kind == "json_schema":
+            schema = self.value
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise SpeculumError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise SpeculumError("a JSON schema must be a JSON object")
+            _check_schema(schema)
+            try:
+                return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+            except ValueError as e:
+                raise SpeculumError(f"invalid JSON schema: {e}") from None
+        if self.kind == "regex":
+            if not isinstance(self.value, str) or not self.value:
+                raise SpeculumError("a regex constraint needs a non-empty pattern string")
+            try:
+                re.compile(self.value)
+            except re.error as e:
+                raise SpeculumError(f"invalid regex {self.value!r}: {e}") from None
+            return LLMatcher.grammar_from_regex(self.value)
+        if self.kind == "choice":
+            options = self.value
+            if not options or not all(isinstance(o, str) and o for o in options):
+                raise SpeculumError("a choice constraint needs a non-empty list of non-empty strings")
+            alternatives = " | ".join(json.dumps(o) for o in options)  # Lark string literals
+            return LLMatcher.grammar_from_lark(f"start: {alternatives}\n")
+        if not isinstance(self.value, str) or not self.value.strip():
+            raise SpeculumError("a grammar constraint needs Lark grammar text")
+        return LLMatcher.grammar_from_lark(self.value)
+
+
+def _check_schema(schema: dict) -> None:
+    """Reject schemas that are not valid JSON Schema (jsonschema's meta-schema check)."""
+    try:
+        import jsonschema
+    except ImportError:  # optional: llguidance still rejects what it cannot compile
+        return
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise SpeculumError(f"invalid JSON schema: {e.message}") from None
