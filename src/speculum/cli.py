@@ -1,4 +1,4 @@
-"""``speculum`` command line: ``generate``, ``bench`` and ``calibrate``.
+"""``speculum`` command line: ``generate``, ``bench``, ``calibrate`` and ``serve``.
 
 User mistakes (unknown model or method, bad parameters, empty prompt, ...) print one line
 ``speculum: error: ...`` and exit with status 2; they never show a traceback.
@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not included in the output")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (text, new_tokens, time_s, tok_s, mean_accepted, steps) instead")
+    con = g.add_argument_group("structured output (at most one)")
+    con.add_argument("--json-schema", metavar="FILE", help="the output must be JSON valid under this schema")
+    con.add_argument("--json-object", action="store_true", help="the output must be a JSON object")
+    con.add_argument("--regex", help="the output must match this regular expression")
+    con.add_argument("--choice", help="the output must be one of these comma-separated strings")
+    con.add_argument("--grammar", metavar="FILE", help="the output must match this Lark grammar")
     _add_model_args(g)
 
     b = sub.add_parser("bench", help="benchmark methods on Spec-Bench-format prompts",
@@ -83,7 +89,47 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="measure again even if a cached curve exists")
     c.add_argument("--out", default="calibration", help="directory for calibration.json/.md/.png "
                                                           "(default: %(default)s)")
+    s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                       description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming, "
+                                   "response_format json_object / json_schema, sampling parameters), /health "
+                                   "and Prometheus /metrics. Requests run one at a time; pick a drafter per "
+                                   "request with extra_body={'speculum': {'method': 'ngram'}}.")
+    s.add_argument("--model", default="default", help="as for generate (default: %(default)s)")
+    s.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32 or float16")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    s.add_argument("--method", default="auto", help=f"default drafter: {', '.join(ENGINE_METHODS[:-1])} "
+                                                     "(default: %(default)s)")
+    s.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    s.add_argument("--max-queue", type=int, default=16,
+                   help="requests allowed to wait behind the running one; more get HTTP 429 (default: %(default)s)")
+    s.add_argument("--max-tree", type=int, default=64, help="most drafted tokens per step (default: %(default)s)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: the --model argument)")
     return parser
+
+
+def _constraint(args):
+    from pathlib import Path
+
+    from .constrain import ConstraintSpec
+
+    given = [(k, v) for k, v in (("json_schema", args.json_schema), ("json_object", args.json_object or None),
+                                 ("regex", args.regex), ("choice", args.choice), ("grammar", args.grammar))
+             if v is not None]
+    if len(given) > 1:
+        raise SpeculumError("give at most one of --json-schema, --json-object, --regex, --choice, --grammar")
+    if not given:
+        return None
+    kind, value = given[0]
+    if kind in ("json_schema", "grammar"):
+        path = Path(value)
+        if not path.is_file():
+            raise SpeculumError(f"{value} is not a file")
+        value = path.read_text()
+    if kind == "choice":
+        return ConstraintSpec.choice([c.strip() for c in value.split(",") if c.strip()])
+    return ConstraintSpec(kind, None if kind == "json_object" else value)
 
 
 def _sampling(args):
@@ -111,8 +157,10 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise SpeculumError("--max-new-tokens must be at least 1")
     sampling = _sampling(args)
+    spec = _constraint(args)
     model, tok, draft, draft_tok = _load(args)
     method = build_method(args.method, model, tok, draft, draft_tok)
+    grammar = method.compile(spec) if spec is not None else None
     ids = encode_prompt(tok, args.prompt, args.chat)
 
     generated: list[int] = []
@@ -132,7 +180,7 @@ def cmd_generate(args) -> int:
             shown = safe
 
     result = method.run(ids, args.max_new_tokens, sampling, args.stop, args.seed,
-                        None if args.json else stream)
+                        None if args.json else stream, grammar=grammar)
     if args.json:
         print(json.dumps(result.to_dict(), ensure_ascii=False))
     else:
@@ -219,6 +267,29 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .models import load
+    from .server import ServerState, create_app
+    from .server.app import SERVABLE_METHODS
+
+    if args.method not in SERVABLE_METHODS:
+        raise SpeculumError(f"unknown method {args.method!r}; choose from {', '.join(SERVABLE_METHODS)}")
+    if args.max_queue < 0:
+        raise SpeculumError("--max-queue must be >= 0")
+    if not 0 < args.port < 65536:
+        raise SpeculumError("--port must be in 1..65535")
+    model, tok = load(args.model, args.dtype, args.device)
+    state = ServerState(model, tok, args.served_model_name or args.model, args.method, args.max_queue,
+                        args.max_tree)
+    print(f"speculum: serving {state.model_name!r} ({args.method}) on http://{args.host}:{args.port}/v1",
+          file=sys.stderr)
+    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="warning")
+    state.worker.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -229,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        handler = {"generate": cmd_generate, "bench": cmd_bench, "calibrate": cmd_calibrate}[args.command]
+        handler = {"generate": cmd_generate, "bench": cmd_bench, "calibrate": cmd_calibrate,
+                   "serve": cmd_serve}[args.command]
         return handler(args)
     except SpeculumError as e:
         print(f"speculum: error: {e}", file=sys.stderr)

@@ -89,6 +89,31 @@ class ConstraintSpec:
         return LLMatcher.grammar_from_lark(self.value)
 
 
+def strict_schema(schema):
+    """OpenAI's ``strict: true``: objects take no properties beyond those they declare.
+
+    Returns a copy in which every object schema that declares ``properties`` and says nothing about
+    ``additionalProperties`` gets ``additionalProperties: false``. Without it a model may keep adding
+    keys until it runs out of tokens, and the output is cut off, invalid.
+    """
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in ("properties", "patternProperties", "$defs", "definitions") and isinstance(v, dict):
+            out[k] = {name: strict_schema(sub) for name, sub in v.items()}  # maps of names to schemas
+        elif k in ("enum", "const", "default", "examples", "required"):
+            out[k] = v
+        else:
+            out[k] = strict_schema(v)
+    if "properties" in out and isinstance(out["properties"], dict) and "additionalProperties" not in out \
+            and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _check_schema(schema: dict) -> None:
     """Reject schemas that are not valid JSON Schema (jsonschema's meta-schema check)."""
     try:

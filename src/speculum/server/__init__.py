@@ -1,0 +1,11 @@
+"""speculum's OpenAI-compatible server: ``speculum serve`` (FastAPI + uvicorn).
+
+- :mod:`.protocol`: request shapes and OpenAI-shaped errors.
+- :mod:`.worker`: the generation thread behind a bounded queue.
+- :mod:`.metrics`: Prometheus metrics.
+- :mod:`.app`: the routes.
+"""
+
+from .app import ServerState, create_app
+
+__all__ = ["ServerState", "create_app"]

@@ -1,0 +1,364 @@
+"""The OpenAI-compatible HTTP app: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
+``/health`` and ``/metrics``.
+
+Requests are validated here (OpenAI-shaped 4xx errors), turned into a :class:`~.worker.Job` and
+answered from the worker's token stream, as one JSON body or as server-sent events
+(``data: {chunk}`` ... ``data: [DONE]``). Text is streamed only once it is final: an incomplete
+UTF-8 character, or a tail that may be the start of a stop string, waits for the next tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..constrain import ConstraintSpec, Grammar
+from ..constrain.spec import strict_schema
+from ..engine import cut_at_stop, default_eos_ids
+from ..errors import SpeculumError
+from ..methods import ENGINE_METHODS, build_method
+from ..runner import runner_for
+from ..sampling import SamplingParams
+from .metrics import Metrics
+from .protocol import APIError, ChatCompletionRequest, CommonParams, CompletionRequest
+from .worker import Job, QueueFull, Worker
+
+SERVABLE_METHODS = tuple(m for m in ENGINE_METHODS if m != "draft_model")
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+
+class ServerState:
+    """The model, its methods (built on first use, sharing one runner), compiled grammars, the worker."""
+
+    def __init__(self, model, tokenizer, model_name: str, method: str = "auto", max_queue: int = 16,
+                 max_tree: int = 64):
+        if method not in SERVABLE_METHODS:
+            raise SpeculumError(f"unknown method {method!r}; choose from {', '.join(SERVABLE_METHODS)}")
+        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.default_method, self.max_tree = method, max_tree
+        self.runner = runner_for(model)
+        self.context = self.runner.max_positions
+        self.eos_ids = default_eos_ids(model, tokenizer)
+        self.methods: dict[str, object] = {}
+        self.grammars: OrderedDict[str, Grammar] = OrderedDict()
+        self.metrics = Metrics()
+        self.get_method(method)  # build (and calibrate) the default method before serving
+        self.worker = Worker(self.get_method, self.metrics, max_queue)
+        self.created = int(time.time())
+
+    def get_method(self, name: str):
+        if name not in self.methods:
+            m = build_method(name, self.model, self.tokenizer, runner=self.runner, max_tree=self.max_tree)
+            m.engine.eos_ids = set(self.eos_ids)
+            self.methods[name] = m
+        return self.methods[name]
+
+    def grammar(self, spec: ConstraintSpec) -> Grammar:
+        key = json.dumps([spec.kind, spec.value], sort_keys=True, default=list)
+        if key not in self.grammars:
+            self.grammars[key] = Grammar(spec, self.tokenizer, self.runner.vocab_size, self.eos_ids)
+            if len(self.grammars) > 64:
+                self.grammars.popitem(last=False)
+        self.grammars.move_to_end(key)
+        return self.grammars[key]
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="speculum", description="OpenAI-compatible server with speculative decoding")
+    app.state.speculum = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        if exc.status < 500:
+            state.metrics.rejected.labels(exc.code or exc.type).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        err = APIError(str(exc.detail), exc.status_code, "invalid_request_error" if exc.status_code < 500
+                       else "server_error", code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        err = APIError(f"internal error: {type(exc).__name__}: {exc}", 500, "server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": state.model_name}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
+                                            "owned_by": "speculum", "max_model_len": state.context}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await _parse(request, CompletionRequest)
+        if isinstance(req.prompt, str):
+            if not req.prompt:
+                raise APIError("prompt is empty", param="prompt")
+            ids = state.tokenizer(req.prompt)["input_ids"]
+        else:
+            ids = list(req.prompt)
+            if not ids or min(ids) < 0 or max(ids) >= state.runner.vocab_size:
+                raise APIError(f"prompt token ids must be non-empty and lie in [0, {state.runner.vocab_size})",
+                               param="prompt")
+        return await _serve(request, req, ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await _parse(request, ChatCompletionRequest)
+        try:
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
+        if not getattr(state.tokenizer, "chat_template", None):
+            raise APIError("this model has no chat template: use /v1/completions", param="messages")
+        try:
+            ids = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)
+        except Exception as e:  # noqa: BLE001 - templates raise anything (jinja errors) on odd input
+            raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        if req.max_completion_tokens is not None:
+            if req.max_completion_tokens <= 0:
+                raise APIError("max_completion_tokens must be at least 1", param="max_completion_tokens")
+            req.max_tokens = req.max_completion_tokens
+        return await _serve(request, req, list(ids), chat=True)
+
+    async def _serve(request: Request, req: CommonParams, ids: list[int], chat: bool):
+        job = _make_job(req, ids)
+        try:
+            state.worker.submit(job)
+        except QueueFull as e:
+            raise APIError(str(e), 429, "rate_limit_error", code="queue_full") from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_stream(request, job, rid, chat, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        result = None
+        try:
+            while result is None:
+                try:
+                    kind, value = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                except TimeoutError:
+                    if await request.is_disconnected():
+                        job.cancelled.set()
+                        return Response(status_code=499)
+                    continue
+                if kind == "done":
+                    result = value
+                elif kind == "error":
+                    raise _worker_error(value)
+                elif kind == "cancelled":
+                    return Response(status_code=499)
+        finally:
+            if result is None:
+                job.cancelled.set()
+        body = _response(rid, chat, state.model_name, result, job.method)
+        return JSONResponse(body)
+
+    def _make_job(req: CommonParams, ids: list[int]) -> Job:
+        if req.model not in (None, "", state.model_name, "default"):
+            raise APIError(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}",
+                           404, code="model_not_found", param="model")
+        if len(ids) >= state.context:
+            raise APIError(f"this model's maximum context length is {state.context} tokens, but the prompt has "
+                           f"{len(ids)} tokens", param="messages" if hasattr(req, "messages") else "prompt",
+                           code="context_length_exceeded")
+        max_tokens = req.max_tokens if req.max_tokens is not None else state.context - len(ids)
+        if len(ids) + max_tokens > state.context:
+            raise APIError(f"this model's maximum context length is {state.context} tokens; the prompt has "
+                           f"{len(ids)} tokens and max_tokens is {max_tokens}", param="max_tokens",
+                           code="context_length_exceeded")
+        opts = req.speculum
+        method = (opts.method if opts and opts.method else state.default_method)
+        if method not in SERVABLE_METHODS:
+            raise APIError(f"unknown speculum method {method!r}; choose from {', '.join(SERVABLE_METHODS)}",
+                           param="speculum.method")
+        try:
+            sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
+            grammar = _grammar(req)
+        except SpeculumError as e:
+            raise APIError(str(e), param="response_format") from None
+        return Job(method, ids, max_tokens, sampling, req.stop_list(), req.seed, grammar, asyncio.get_running_loop())
+
+    def _grammar(req: CommonParams) -> Grammar | None:
+        specs = []
+        rf = req.response_format
+        if rf is not None and rf.type == "json_object":
+            specs.append(ConstraintSpec.json_object())
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise SpeculumError("response_format json_schema needs json_schema.schema")
+            schema = rf.json_schema.schema_
+            specs.append(ConstraintSpec.json_schema(strict_schema(schema) if rf.json_schema.strict else schema))
+        opts = req.speculum
+        if opts is not None:
+            if opts.regex is not None:
+                specs.append(ConstraintSpec.regex(opts.regex))
+            if opts.choice is not None:
+                specs.append(ConstraintSpec.choice(opts.choice))
+            if opts.grammar is not None:
+                specs.append(ConstraintSpec.lark(opts.grammar))
+        if len(specs) > 1:
+            raise SpeculumError("give at most one constraint (response_format, regex, choice or grammar)")
+        return state.grammar(specs[0]) if specs else None
+
+    async def _stream(request: Request, job: Job, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+        text = StreamingText(state.tokenizer, job.stop)
+        created = int(time.time())
+
+        def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+            if chat:
+                d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
+                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+                obj = "chat.completion.chunk"
+            else:
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+                obj = "text_completion"
+            return _sse({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                         "choices": [choice]})
+
+        done = False
+        checked = time.perf_counter()
+        try:
+            if chat:
+                yield chunk(None, None, first=True)
+            while True:
+                try:
+                    kind, value = await asyncio.wait_for(job.events.get(), timeout=0.25)
+                except TimeoutError:
+                    kind = None
+                if time.perf_counter() - checked > 0.25 or kind is None:  # a client that went away
+                    checked = time.perf_counter()
+                    if await request.is_disconnected():
+                        return
+                if kind is None:
+                    continue
+                if kind == "tokens":
+                    delta = text.add(value)
+                    if delta:
+                        yield chunk(delta, None)
+                elif kind == "done":
+                    rest = text.finish(value.text)
+                    if rest:
+                        yield chunk(rest, None)
+                    yield chunk(None, FINISH[value.finish_reason])
+                    if include_usage:
+                        yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                    "created": created, "model": state.model_name, "choices": [],
+                                    "usage": _usage(value)})
+                    yield "data: [DONE]\n\n"
+                    done = True
+                    return
+                elif kind == "error":
+                    err = _worker_error(value)
+                    yield _sse(err.body())
+                    yield "data: [DONE]\n\n"
+                    done = True
+                    return
+                else:  # cancelled
+                    return
+        finally:
+            if not done:
+                job.cancelled.set()
+
+    return app
+
+
+class StreamingText:
+    """Turns a growing token list into text deltas that never need taking back."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def add(self, tokens: list[int]) -> str:
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        text = text.rstrip("\ufffd")  # an incomplete UTF-8 character
+        text = cut_at_stop(text, self.stop)
+        hold = max((k for s in self.stop for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
+        ready = text[: len(text) - hold]
+        if not ready.startswith(self.sent) or len(ready) <= len(self.sent):
+            return ""
+        delta, self.sent = ready[len(self.sent):], ready
+        return delta
+
+    def finish(self, final: str) -> str:
+        if not final.startswith(self.sent):  # a tokenizer that re-spaces decoded text: send what is new
+            return ""
+        rest, self.sent = final[len(self.sent):], final
+        return rest
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _usage(result) -> dict:
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.new_tokens,
+            "total_tokens": result.prompt_tokens + result.new_tokens}
+
+
+def _response(rid: str, chat: bool, model_name: str, result, method: str) -> dict:
+    text, finish = result.text, FINISH[result.finish_reason]
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                  "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    stats = result.to_dict()
+    return {
+        "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+        "model": model_name, "choices": [choice], "usage": _usage(result),
+        "speculum": {"method": method, "forwards": result.forwards,
+                     "mean_accepted": round(result.mean_accepted, 3), "tok_s": round(result.tok_s, 2),
+                     "drafted": stats["drafted"], "accepted": stats["accepted"], "forced": stats["forced"],
+                     "time_mask_s": stats["time_mask_s"]},
+    }
+
+
+def _worker_error(exc: BaseException) -> APIError:
+    if isinstance(exc, SpeculumError):
+        return APIError(str(exc), 400)
+    return APIError(f"generation failed: {type(exc).__name__}: {exc}", 500, "server_error")
+
+
+async def _parse(request: Request, model_cls):
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", code="invalid_json")
+    try:
+        return model_cls.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        msg = first["msg"].removeprefix("Value error, ")
+        raise APIError(f"invalid value for {param}: {msg}" if param else msg, param=param,
+                       code="invalid_value") from None
+

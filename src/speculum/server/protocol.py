@@ -1,0 +1,146 @@
+"""The OpenAI request shapes the server accepts (pydantic), and OpenAI-shaped errors.
+
+Unknown fields are ignored, as OpenAI does; known fields of the wrong type or out of range are
+400 errors naming the field. Features the server does not implement (``n > 1``, ``logprobs``,
+tools) are refused with a clear 400 rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class APIError(Exception):
+    """An error the client caused or should see: rendered as ``{"error": {...}}`` with ``status``."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class JSONSchemaFormat(BaseModel):
+    name: str = "output"
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class SpeculumOptions(BaseModel):
+    """``extra_body={"speculum": {...}}``: the drafter, and constraints beyond OpenAI's."""
+
+    model_config = ConfigDict(extra="forbid")
+    method: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark
+    max_tree: int | None = Field(default=None, ge=1, le=256)
+
+
+class CommonParams(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # not OpenAI's, common in compatible servers
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: Any = None
+    response_format: ResponseFormat | None = None
+    speculum: SpeculumOptions | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive(cls, v):
+        if v is not None and v <= 0:
+            raise ValueError("max_tokens must be at least 1")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v):
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, v):
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v):
+        if v not in (None, False, 0):
+            raise ValueError("logprobs are not supported")
+        return v
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class CompletionRequest(CommonParams):
+    prompt: str | list[int]
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(CommonParams):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    tools: Any = None
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v):
+        if v:
+            raise ValueError("tools are not supported")
+        return v

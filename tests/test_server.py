@@ -1,0 +1,229 @@
+"""The OpenAI-compatible server, live on loopback, driven by the official ``openai`` client.
+
+SmolLM2 in float32 (greedy outputs are compared token for token with the engine run directly).
+Covers: models / health / metrics, completions and chat (streamed and not), JSON outputs validated
+with ``jsonschema``, the per-request drafter, concurrent requests, the bounded queue (429), a
+client that disconnects mid-stream, and every bad input the issue lists (OpenAI-shaped 4xx).
+"""
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import uvicorn
+
+from speculum.methods import build_method
+from speculum.prompts import encode_prompt
+from speculum.server import ServerState, create_app
+
+pytestmark = pytest.mark.slow
+
+PERSON = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"},
+                         "city": {"enum": ["Paris", "Rome", "Oslo"]}},
+          "required": ["name", "age", "city"]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_f32):
+    model, tok = smollm2_f32
+    state = ServerState(model, tok, "smollm2", method="ngram", max_queue=16)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    yield state, f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+    state.worker.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _chat(client, text, **kw):
+    return client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": text}],
+                                          temperature=0, **kw)
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    assert httpx.get(server[1] + "/health").json()["status"] == "ok"
+    text = httpx.get(server[1] + "/metrics").text
+    for name in ("speculum:request_success_total", "speculum:prompt_tokens_total",
+                 "speculum:generation_tokens_total", "speculum:time_to_first_token_seconds_bucket",
+                 "speculum:time_per_output_token_seconds_bucket", "speculum:num_requests_waiting"):
+        assert name in text or name.replace("_total", "") in text, name
+
+
+def test_chat_equals_the_engine_alone(server, client):
+    state = server[0]
+    prompt = "List three colours of the rainbow."
+    out = _chat(client, prompt, max_tokens=24)
+    ids = encode_prompt(state.tokenizer, prompt)
+    alone = build_method("ar", state.model, state.tokenizer, runner=state.runner).run(ids, 24)
+    assert out.choices[0].message.content == alone.text
+    assert out.usage.completion_tokens == alone.new_tokens and out.usage.prompt_tokens == len(ids)
+    assert out.choices[0].finish_reason == ("length" if alone.finish_reason == "length" else "stop")
+    assert out.model_extra["speculum"]["method"] == "ngram"
+
+
+def test_streaming_matches_non_streaming(client):
+    whole = client.completions.create(model="smollm2", prompt="The three primary colours are", max_tokens=20,
+                                      temperature=0)
+    chunks = list(client.completions.create(model="smollm2", prompt="The three primary colours are",
+                                            max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    chat = list(_chat(client, "Say hello in French.", max_tokens=12, stream=True))
+    assert chat[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat)
+    assert streamed == _chat(client, "Say hello in French.", max_tokens=12).choices[0].message.content
+
+
+def test_stop_strings_streamed_and_not(client):
+    kw = {"model": "smollm2", "prompt": "Count: one, two, three, four,", "max_tokens": 24, "temperature": 0, "stop": [" six"]}
+    whole = client.completions.create(**kw)
+    assert " six" not in whole.choices[0].text and whole.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+    assert streamed == whole.choices[0].text
+
+
+@pytest.mark.parametrize("method", ["ar", "ngram", "suffix"])
+def test_json_schema_outputs_are_valid(client, method):
+    out = _chat(client, "Invent a person who lives in Europe. Reply in JSON.", max_tokens=80,
+                response_format={"type": "json_schema",
+                                 "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+                extra_body={"speculum": {"method": method}})
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+    assert out.model_extra["speculum"]["method"] == method
+    obj = _chat(client, "Describe a cat as JSON.", max_tokens=60, response_format={"type": "json_object"},
+                extra_body={"speculum": {"method": method}})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    choice = _chat(client, "Is fire hot?", max_tokens=8, extra_body={"speculum": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].message.content in ("yes", "no")
+
+
+def test_sampling_is_seeded(client):
+    a = _chat(client, "Write a word.", max_tokens=8, seed=7).choices[0].message.content
+    kw = {"model": "smollm2", "messages": [{"role": "user", "content": "Write a word."}], "max_tokens": 8,
+              "temperature": 0.9, "top_p": 0.9, "seed": 11}
+    assert client.chat.completions.create(**kw).choices[0].message.content == \
+        client.chat.completions.create(**kw).choices[0].message.content
+    assert a
+
+
+def test_concurrent_requests_each_equal_their_solo_result(client):
+    prompts = [f"Name {k} fruits." for k in range(2, 8)]
+    solo = [_chat(client, p, max_tokens=16).choices[0].message.content for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: _chat(client, p, max_tokens=16).choices[0].message.content, prompts))
+    assert together == solo
+
+
+def test_full_queue_answers_429_and_loses_nothing(server, client):
+    state = server[0]
+    state.worker.max_queue = 1
+    try:
+        def call(i):
+            try:
+                return _chat(client, f"Write the number {i} in words.", max_tokens=12).choices[0].message.content
+            except openai.RateLimitError as e:
+                assert e.status_code == 429
+                body = e.response.json()["error"]
+                assert body["code"] == "queue_full" and "busy" in body["message"]
+                return None
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(call, range(6)))
+    finally:
+        state.worker.max_queue = 16
+    served = [i for i, g in enumerate(got) if g is not None]
+    assert 0 < len(served) < 6
+    for i in served:  # the admitted ones are complete and uncorrupted
+        assert got[i] == _chat(client, f"Write the number {i} in words.", max_tokens=12).choices[0].message.content
+
+
+def test_disconnect_cancels_generation(server, client):
+    state = server[0]
+    before = state.metrics.cancelled._value.get()
+    stream = client.completions.create(model="smollm2", prompt="Count to 1000: 1, 2, 3, 4,",
+                                       max_tokens=2000, temperature=0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    deadline = time.time() + 30
+    while state.metrics.cancelled._value.get() == before and time.time() < deadline:
+        time.sleep(0.1)
+    assert state.metrics.cancelled._value.get() == before + 1
+    t0 = time.time()  # the worker is free again at once
+    _chat(client, "Hi", max_tokens=4)
+    assert time.time() - t0 < 20
+
+
+def _error(resp, status):
+    assert resp.status_code == status, resp.text
+    body = resp.json()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"]
+    return body
+
+
+def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, client):
+    url = server[1] + "/v1"
+    chat = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
+    post = lambda path, body: httpx.post(url + path, json=body, timeout=60)
+    assert _error(httpx.post(url + "/chat/completions", content=b"{not json", timeout=60), 400)["code"] == "invalid_json"
+    assert _error(post("/chat/completions", {**chat, "max_tokens": "many"}), 400)["param"] == "max_tokens"
+    assert _error(post("/chat/completions", {**chat, "temperature": "hot"}), 400)["param"] == "temperature"
+    assert _error(post("/chat/completions", {**chat, "messages": "hi"}), 400)["param"] == "messages"
+    assert _error(post("/chat/completions", {**chat, "max_tokens": 0}), 400)["param"] == "max_tokens"
+    assert _error(post("/chat/completions", {**chat, "max_tokens": -5}), 400)["param"] == "max_tokens"
+    assert _error(post("/chat/completions", {**chat, "temperature": -1}), 400)["param"] == "temperature"
+    assert _error(post("/chat/completions", {**chat, "n": 3}), 400)["param"] == "n"
+    assert _error(post("/completions", {"model": "smollm2", "prompt": [5] * 9000}), 400)["code"] == \
+        "context_length_exceeded"
+    assert _error(post("/completions", {"model": "smollm2", "prompt": "hi", "max_tokens": 9000}), 400)["code"] == \
+        "context_length_exceeded"
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}
+    assert "schema" in _error(post("/chat/completions", {**chat, "response_format": bad_schema}), 400)["message"]
+    assert _error(post("/chat/completions", {**chat, "response_format": {"type": "yaml"}}), 400)["param"] \
+        .startswith("response_format")
+    assert _error(post("/chat/completions", {**chat, "speculum": {"method": "magic"}}), 400)["param"] == \
+        "speculum.method"
+    assert _error(post("/chat/completions", {**chat, "model": "gpt-9"}), 404)["code"] == "model_not_found"
+    assert _error(httpx.get(url + "/nope"), 404)["code"] == "not_found"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "x"}], max_tokens=0)
+    assert _chat(client, "Still there?", max_tokens=4).choices[0].message.content  # still serving
+    assert "speculum:request_rejected_total" in httpx.get(server[1] + "/metrics").text
+
+
+def test_spec_decode_metrics_per_method(server, client):
+    _chat(client, "Repeat: alpha beta gamma delta alpha beta gamma delta", max_tokens=24,
+          extra_body={"speculum": {"method": "ngram"}})
+    text = httpx.get(server[1] + "/metrics").text
+    lines = [x for x in text.splitlines() if x.startswith("speculum:spec_decode_num_draft_tokens_total{")]
+    assert any('method="ngram"' in x and float(x.split()[-1]) > 0 for x in lines)
+    assert 'speculum:spec_decode_num_accepted_tokens_per_pos_total{method="ngram",position="1"}' in text
