@@ -106,3 +106,46 @@ def test_bench_repeated_workload_reports_rounds(tmp_path):
     res = json.loads((out / "results.json").read_text())
     assert set(res["methods"]["suffix"]["by_task"]) == {"round1", "round2"}
     assert res["methods"]["suffix"]["overall"]["identical_frac"] is not None
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "--prompt", "hi", "--regex", "a", "--choice", "x,y"], "at most one"),
+    (["generate", "--prompt", "hi", "--json-schema", "/nonexistent.json"], "not a file"),
+    (["generate", "--prompt", "hi", "--regex", "(unclosed", "--max-new-tokens", "4"], "invalid regex"),
+    (["bench", "--workload", "structured"], "--schemas"),
+    (["bench", "--workload", "structured", "--schemas", "/nonexistent.jsonl"], "does not exist"),
+    (["bench", "--workload", "structured", "--schemas", "x", "--methods", "hf_pld"], "not hf_pld"),
+    (["serve", "--method", "warp"], "unknown method"),
+    (["serve", "--port", "0"], "--port"),
+])
+def test_constraint_and_serve_errors(capsys, argv, needle):
+    assert needle in _err(capsys, argv)
+
+
+@pytest.mark.slow
+def test_generate_with_choice_constraint(capsys):
+    assert main(["generate", "--prompt", "Is fire hot?", "--choice", "yes,no", "--method", "ngram",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["text"] in ("yes", "no")
+
+
+@pytest.mark.slow
+def test_bench_structured_reports_coverage_and_validity(tmp_path):
+    schemas = tmp_path / "s.jsonl"
+    rows = [
+        {"id": "a", "dataset": "t", "schema": {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                                               "required": ["ok"]}},
+        {"id": "b", "dataset": "t", "schema": {"oneOf": [{"type": "integer"}, {"type": "number"}]}},
+        {"id": "c", "dataset": "t", "schema": {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}},
+                                               "required": ["colour"]}},
+    ]
+    schemas.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "st"
+    assert main(["bench", "--workload", "structured", "--schemas", str(schemas), "--methods", "hf,ar,ngram",
+                 "--max-new-tokens", "24", "--out", str(out), "--no-progress"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["coverage"]["compiled"] == 2 and res["coverage"]["total"] == 3
+    assert res["schemas_run"] == ["a", "c"]
+    for m in ("hf", "ar", "ngram"):
+        assert res["methods"][m]["valid"] == 1.0, m
+    assert "oneOf" in (out / "results.md").read_text()

@@ -72,9 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated subset of {', '.join(METHODS)} (default: %(default)s)")
     b.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
     b.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    b.add_argument("--workload", choices=["specbench", "repeated"], default="specbench",
+    b.add_argument("--workload", choices=["specbench", "repeated", "structured"], default="specbench",
                    help="specbench: each prompt of --data once (default); repeated: a bundled set of "
-                        "code-editing and agent-style requests replayed --rounds times, reported per round")
+                        "code-editing and agent-style requests replayed --rounds times, reported per round; "
+                        "structured: JSON schemas from --schemas, each method constrained and unconstrained")
+    b.add_argument("--schemas", default=None,
+                   help="JSONSchemaBench-format JSONL ({id, dataset, schema} per line) for --workload structured")
+    b.add_argument("--n-schemas", type=int, default=30,
+                   help="schemas to generate for (of those that compile; default: %(default)s)")
     b.add_argument("--rounds", type=int, default=3, help="rounds of the repeated workload (default: %(default)s)")
     _add_model_args(b)
 
@@ -207,6 +212,8 @@ def cmd_bench(args) -> int:
         raise SpeculumError("--max-new-tokens must be at least 1")
     parse_dtype(args.dtype)
     sampling = _sampling(args)
+    if args.workload == "structured":
+        return _bench_structured(args, methods)
     if args.workload == "repeated":
         prompts = repeated_workload(load_prompts(args.data or repeated_prompts_path(), args.per_task), args.rounds)
     else:
@@ -220,6 +227,47 @@ def cmd_bench(args) -> int:
     out = write_outputs(args.out, results, records, meta)
     print(markdown_table({**meta, **results}))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'speedup.png'}")
+    return 0
+
+
+def _bench_structured(args, methods: list[str]) -> int:
+    from .bench.harness import bench_meta
+    from .bench.structured import (
+        coverage,
+        load_schemas,
+        markdown,
+        run_structured,
+        select,
+        summarize_structured,
+        write_structured,
+    )
+    from .engine import default_eos_ids
+
+    if not args.schemas:
+        raise SpeculumError("--workload structured needs --schemas FILE (e.g. "
+                            "../shared/data/jsonschemabench/schemas_dev.jsonl)")
+    if args.n_schemas < 1:
+        raise SpeculumError("--n-schemas must be at least 1")
+    if args.temperature != 0:
+        raise SpeculumError("the structured benchmark is greedy: leave --temperature at 0")
+    bad = [m for m in methods if m in ("hf_pld", "hf_assisted", "draft_model")]
+    if bad:
+        raise SpeculumError(f"the structured benchmark runs hf and speculum's engine methods, not {', '.join(bad)}")
+    cases = load_schemas(args.schemas)
+    model, tok, _, _ = _load(args)
+    width = model.get_output_embeddings().weight.shape[0]
+    cov = coverage(cases, tok, width, default_eos_ids(model, tok))
+    from .runner import runner_for
+
+    used = select(cases, cov, args.n_schemas, tok, runner_for(model).max_positions, args.max_new_tokens, args.chat)
+    records = run_structured(model, tok, used, methods, args.max_new_tokens, args.chat, not args.no_progress)
+    summary = summarize_structured(records, methods)
+    device = next(model.parameters()).device
+    settings = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+    meta = {**bench_meta(model, args.dtype, device, settings), "max_new_tokens": args.max_new_tokens}
+    out = write_structured(args.out, summary, records, cov, used, meta)
+    print(markdown(summary, cov, used, meta))
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'per_schema.jsonl'}")
     return 0
 
 

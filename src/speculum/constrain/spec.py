@@ -93,7 +93,9 @@ def strict_schema(schema):
     """OpenAI's ``strict: true``: objects take no properties beyond those they declare.
 
     Returns a copy in which every object schema that declares ``properties`` and says nothing about
-    ``additionalProperties`` gets ``additionalProperties: false``. Without it a model may keep adding
+    ``additionalProperties`` gets ``additionalProperties: false`` (required keys it does not
+    describe are added with any value). Every output valid under the copy is valid under the
+    original. Without it a model may keep adding
     keys until it runs out of tokens, and the output is cut off, invalid.
     """
     if isinstance(schema, list):
@@ -111,6 +113,10 @@ def strict_schema(schema):
     if "properties" in out and isinstance(out["properties"], dict) and "additionalProperties" not in out \
             and "patternProperties" not in out:
         out["additionalProperties"] = False
+        required = out.get("required")
+        if isinstance(required, list):  # a required key the schema does not describe takes any value
+            out["properties"] = {**out["properties"],
+                                 **{k: {} for k in required if isinstance(k, str) and k not in out["properties"]}}
     return out
 
 
