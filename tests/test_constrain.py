@@ -328,3 +328,5 @@ def test_strict_schema_only_tightens():
     jsonschema.validate({"a": {"b": "x"}, "z": 3}, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"a": {}, "z": 1, "extra": 1}, s)
+    both = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert strict_schema(both) == both  # closing each branch would make {"a", "b"} unsatisfiable

@@ -90,26 +90,39 @@ class ConstraintSpec:
 
 
 def strict_schema(schema):
-    """OpenAI's ``strict: true``: objects take no properties beyond those they declare.
+    """OpenAI's ``strict: true``: objects take no properties beyond those they declare. Without it a
+    model may keep adding keys until it runs out of tokens, and the output is cut off, invalid.
 
     Returns a copy in which every object schema that declares ``properties`` and says nothing about
     ``additionalProperties`` gets ``additionalProperties: false`` (required keys it does not
     describe are added with any value). Every output valid under the copy is valid under the
-    original. Without it a model may keep adding
-    keys until it runs out of tokens, and the output is cut off, invalid.
+    original. Schemas that use ``allOf`` are returned unchanged: closing each branch would make
+    the keys of one branch illegal in the other.
     """
+    if _uses_all_of(schema):  # closing each allOf branch would reject the keys of the others
+        return schema
+    return _close_objects(schema)
+
+
+def _uses_all_of(node) -> bool:
+    if isinstance(node, dict):
+        return "allOf" in node or any(_uses_all_of(v) for k, v in node.items() if k not in ("enum", "const"))
+    return isinstance(node, list) and any(_uses_all_of(v) for v in node)
+
+
+def _close_objects(schema):
     if isinstance(schema, list):
-        return [strict_schema(s) for s in schema]
+        return [_close_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = {}
     for k, v in schema.items():
         if k in ("properties", "patternProperties", "$defs", "definitions") and isinstance(v, dict):
-            out[k] = {name: strict_schema(sub) for name, sub in v.items()}  # maps of names to schemas
+            out[k] = {name: _close_objects(sub) for name, sub in v.items()}  # maps of names to schemas
         elif k in ("enum", "const", "default", "examples", "required"):
             out[k] = v
         else:
-            out[k] = strict_schema(v)
+            out[k] = _close_objects(v)
     if "properties" in out and isinstance(out["properties"], dict) and "additionalProperties" not in out \
             and "patternProperties" not in out:
         out["additionalProperties"] = False
