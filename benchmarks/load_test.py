@@ -6,12 +6,13 @@ then runs ``--clients`` concurrent clients x ``--requests`` requests each, twice
 1. with the default queue (every request admitted): no errors allowed; p50/p99 latency, time to
    first token (streamed requests) and total generated tok/s are reported;
 2. against a server started with ``--max-queue 4``: requests beyond the queue must get 429 or
-   503 with an OpenAI-shaped error, and every admitted request must return exactly its solo answer
-   (nothing lost, nothing corrupted).
+   503 with an OpenAI-shaped error, and no request may be lost. In float32 (or with ``ar``) every
+   admitted request must return exactly its solo answer (nothing corrupted).
 
 Every other request streams. Run from the repository root (needs ``pip install openai``):
 
-    python benchmarks/load_test.py --out docs/bench/load
+    python benchmarks/load_test.py --out docs/bench/load                     # bfloat16: speed
+    python benchmarks/load_test.py --dtype float32 --out docs/bench/load     # float32: exactness
 """
 
 from __future__ import annotations
@@ -162,11 +163,16 @@ def main() -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "load_test.json").write_text(json.dumps(report, indent=2))
+    (out / f"load_test_{args.dtype}_{args.method}.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
     a, b = report["open_queue"], report["queue_4"]
-    good = (a["errors"] == 0 and a["correct"] == a["requests"] and b["refused"] > 0 and b["lost"] == 0
-            and b["served_correct"] == b["served"] and b["refused_all_429_or_503_and_openai_shaped"])
+    # Identical answers are promised in float32. In bfloat16 a tree-drafting method may verify a
+    # different tree shape than it did alone (its cross-request state has moved on), and bfloat16
+    # rounding then differs: see the README ("Why bfloat16 outputs can differ from ar").
+    exact = args.dtype == "float32" or args.method == "ar"
+    good = (a["errors"] == 0 and b["refused"] > 0 and b["lost"] == 0
+            and b["refused_all_429_or_503_and_openai_shaped"]
+            and (not exact or (a["correct"] == a["requests"] and b["served_correct"] == b["served"])))
     print("PASS" if good else "FAIL")
     return 0 if good else 1
 
