@@ -183,6 +183,19 @@ def test_disconnect_cancels_generation(server, client):
     assert time.time() - t0 < 20
 
 
+def test_disconnect_cancels_non_streamed_generation(server):
+    state = server[0]
+    before = state.metrics.cancelled._value.get()
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server[1] + "/v1/completions", timeout=3,
+                   json={"model": "smollm2", "prompt": "Count to 1000: 1, 2, 3, 4,", "max_tokens": 2000,
+                         "temperature": 0})
+    deadline = time.time() + 30
+    while state.metrics.cancelled._value.get() == before and time.time() < deadline:
+        time.sleep(0.1)
+    assert state.metrics.cancelled._value.get() == before + 1
+
+
 def _error(resp, status):
     assert resp.status_code == status, resp.text
     body = resp.json()["error"]

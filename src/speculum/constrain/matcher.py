@@ -17,6 +17,7 @@ does not know are never allowed.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,7 +27,8 @@ from ..errors import SpeculumError
 from ..tree import DraftTree
 from .spec import ConstraintSpec
 
-_TOKENIZERS: dict[tuple[int, int, tuple[int, ...]], object] = {}
+# tokenizer -> {(width, eos ids): LLTokenizer}; weak keys, so a freed tokenizer's id is never reused
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def ll_tokenizer(tokenizer, width: int, eos_ids: Sequence[int]):
@@ -35,14 +37,17 @@ def ll_tokenizer(tokenizer, width: int, eos_ids: Sequence[int]):
 
     if not eos_ids:
         raise SpeculumError("constrained decoding needs an end-of-sequence token id to end the output")
-    key = (id(tokenizer), width, tuple(sorted(eos_ids)))
-    if key not in _TOKENIZERS:
+    key = (width, tuple(sorted(eos_ids)))
+    try:
+        cached = _TOKENIZERS.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: no cache
+        cached = {}
+    if key not in cached:
         try:
-            _TOKENIZERS[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=width,
-                                                            eos_token=sorted(eos_ids))
+            cached[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=width, eos_token=sorted(eos_ids))
         except (ValueError, TypeError, AttributeError, RuntimeError) as e:  # slow or unsupported tokenizers
             raise SpeculumError(f"llguidance cannot use this tokenizer: {e}") from None
-    return _TOKENIZERS[key]
+    return cached[key]
 
 
 class Grammar:

@@ -156,19 +156,13 @@ def create_app(state: ServerState) -> FastAPI:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         result = None
         try:
-            while result is None:
-                try:
-                    kind, value = await asyncio.wait_for(job.events.get(), timeout=0.5)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancelled.set()
-                        return Response(status_code=499)
-                    continue
+            async for kind, value in _events(request, job):
                 if kind == "done":
                     result = value
-                elif kind == "error":
+                    break
+                if kind == "error":
                     raise _worker_error(value)
-                elif kind == "cancelled":
+                if kind in ("cancelled", "disconnected"):
                     return Response(status_code=499)
         finally:
             if result is None:
@@ -239,21 +233,10 @@ def create_app(state: ServerState) -> FastAPI:
                          "choices": [choice]})
 
         done = False
-        checked = time.perf_counter()
         try:
             if chat:
                 yield chunk(None, None, first=True)
-            while True:
-                try:
-                    kind, value = await asyncio.wait_for(job.events.get(), timeout=0.25)
-                except TimeoutError:
-                    kind = None
-                if time.perf_counter() - checked > 0.25 or kind is None:  # a client that went away
-                    checked = time.perf_counter()
-                    if await request.is_disconnected():
-                        return
-                if kind is None:
-                    continue
+            async for kind, value in _events(request, job):
                 if kind == "tokens":
                     delta = text.add(value)
                     if delta:
@@ -276,13 +259,32 @@ def create_app(state: ServerState) -> FastAPI:
                     yield "data: [DONE]\n\n"
                     done = True
                     return
-                else:  # cancelled
+                else:  # cancelled or disconnected
                     return
         finally:
             if not done:
                 job.cancelled.set()
 
     return app
+
+
+async def _events(request: Request, job: Job, every_s: float = 0.25) -> AsyncIterator[tuple[str, object]]:
+    """The worker's events for ``job``; ``("disconnected", None)`` (and the job cancelled) as soon as
+    the client has gone away, checked at least every ``every_s`` seconds even while tokens flow."""
+    checked = time.perf_counter()
+    while True:
+        try:
+            item = await asyncio.wait_for(job.events.get(), timeout=every_s)
+        except TimeoutError:
+            item = None
+        if item is None or time.perf_counter() - checked > every_s:
+            checked = time.perf_counter()
+            if await request.is_disconnected():
+                job.cancelled.set()
+                yield "disconnected", None
+                return
+        if item is not None:
+            yield item
 
 
 class StreamingText:
