@@ -328,5 +328,8 @@ def test_strict_schema_only_tightens():
     jsonschema.validate({"a": {"b": "x"}, "z": 3}, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"a": {}, "z": 1, "extra": 1}, s)
+    assert s["properties"]["properties"]["maximum"] == 2**53 - 1  # unbounded integers get I-JSON's range
+    bounded = strict_schema({"type": "integer", "minimum": 0})
+    assert "maximum" not in bounded
     both = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
     assert strict_schema(both) == both  # closing each branch would make {"a", "b"} unsatisfiable

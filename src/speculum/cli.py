@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (text, new_tokens, time_s, tok_s, mean_accepted, steps) instead")
     con = g.add_argument_group("structured output (at most one)")
-    con.add_argument("--json-schema", metavar="FILE", help="the output must be JSON valid under this schema")
+    con.add_argument("--json-schema", metavar="FILE",
+                     help="the output must be JSON valid under this schema, in OpenAI's strict mode: objects "
+                          "take no keys beyond those they declare (unless the schema says otherwise)")
     con.add_argument("--json-object", action="store_true", help="the output must be a JSON object")
     con.add_argument("--regex", help="the output must match this regular expression")
     con.add_argument("--choice", help="the output must be one of these comma-separated strings")
@@ -134,6 +136,13 @@ def _constraint(args):
         value = path.read_text()
     if kind == "choice":
         return ConstraintSpec.choice([c.strip() for c in value.split(",") if c.strip()])
+    if kind == "json_schema":
+        from .constrain.spec import strict_schema
+
+        try:
+            return ConstraintSpec.json_schema(strict_schema(json.loads(value)))
+        except json.JSONDecodeError as e:
+            raise SpeculumError(f"{args.json_schema} is not valid JSON: {e}") from None
     return ConstraintSpec(kind, None if kind == "json_object" else value)
 
 

@@ -89,6 +89,9 @@ class ConstraintSpec:
         return LLMatcher.grammar_from_lark(self.value)
 
 
+SAFE_INTEGER = 2**53 - 1  # I-JSON (RFC 7493): integers beyond this are not interoperable
+
+
 def strict_schema(schema):
     """OpenAI's ``strict: true``: objects take no properties beyond those they declare. Without it a
     model may keep adding keys until it runs out of tokens, and the output is cut off, invalid.
@@ -96,8 +99,9 @@ def strict_schema(schema):
     Returns a copy in which every object schema that declares ``properties`` and says nothing about
     ``additionalProperties`` gets ``additionalProperties: false`` (required keys it does not
     describe are added with any value). Every output valid under the copy is valid under the
-    original. Schemas that use ``allOf`` are returned unchanged: closing each branch would make
-    the keys of one branch illegal in the other.
+    original. Integers without bounds get I-JSON's interoperable range ``±(2**53 - 1)``, so a model
+    cannot run on writing digits. Schemas that use ``allOf`` are returned unchanged: closing each
+    branch would make the keys of one branch illegal in the other.
     """
     if _uses_all_of(schema):  # closing each allOf branch would reject the keys of the others
         return schema
@@ -123,6 +127,10 @@ def _close_objects(schema):
             out[k] = v
         else:
             out[k] = _close_objects(v)
+    types = out.get("type")
+    if (types == "integer" or (isinstance(types, list) and "integer" in types)) \
+            and not any(k in out for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
+        out["minimum"], out["maximum"] = -SAFE_INTEGER, SAFE_INTEGER
     if "properties" in out and isinstance(out["properties"], dict) and "additionalProperties" not in out \
             and "patternProperties" not in out:
         out["additionalProperties"] = False
