@@ -114,12 +114,19 @@ def test_bench_repeated_workload_reports_rounds(tmp_path):
     (["generate", "--prompt", "hi", "--regex", "(unclosed", "--max-new-tokens", "4"], "invalid regex"),
     (["bench", "--workload", "structured"], "--schemas"),
     (["bench", "--workload", "structured", "--schemas", "/nonexistent.jsonl"], "does not exist"),
-    (["bench", "--workload", "structured", "--schemas", "x", "--methods", "hf_pld"], "not hf_pld"),
+    (["bench", "--workload", "structured", "--schemas", "pyproject.toml"], "not a JSONSchemaBench"),
     (["serve", "--method", "warp"], "unknown method"),
     (["serve", "--port", "0"], "--port"),
 ])
 def test_constraint_and_serve_errors(capsys, argv, needle):
     assert needle in _err(capsys, argv)
+
+
+def test_structured_bench_refuses_methods_without_grammar_support(capsys, tmp_path):
+    schemas = tmp_path / "s.jsonl"
+    schemas.write_text(json.dumps({"id": "a", "dataset": "t", "schema": {"type": "object"}}) + "\n")
+    argv = ["bench", "--workload", "structured", "--schemas", str(schemas), "--methods", "hf,hf_pld"]
+    assert "not hf_pld" in _err(capsys, argv)
 
 
 @pytest.mark.slow

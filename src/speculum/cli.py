@@ -16,6 +16,7 @@ from .errors import SpeculumError
 from .methods import ENGINE_METHODS, HF_METHODS, METHODS
 
 DEFAULT_BENCH_METHODS = "hf,hf_pld,ar,ngram,suffix,auto"
+DEFAULT_STRUCTURED_METHODS = "hf,ar,ngram,auto"
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -70,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Spec-Bench JSONL file (default: the small prompt set bundled with speculum)")
     b.add_argument("--per-task", type=int, default=None, help="first N prompts of each task (default: all)")
     b.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
-    b.add_argument("--methods", default=DEFAULT_BENCH_METHODS,
-                   help=f"comma-separated subset of {', '.join(METHODS)} (default: %(default)s)")
+    b.add_argument("--methods", default=None,
+                   help=f"comma-separated subset of {', '.join(METHODS)} (default: {DEFAULT_BENCH_METHODS}; "
+                        f"{DEFAULT_STRUCTURED_METHODS} for --workload structured)")
     b.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
     b.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     b.add_argument("--workload", choices=["specbench", "repeated", "structured"], default="specbench",
@@ -210,6 +212,8 @@ def cmd_bench(args) -> int:
     from .bench.report import markdown_table
     from .models import parse_dtype
 
+    if args.methods is None:
+        args.methods = DEFAULT_STRUCTURED_METHODS if args.workload == "structured" else DEFAULT_BENCH_METHODS
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
@@ -255,6 +259,7 @@ def _bench_structured(args, methods: list[str]) -> int:
     if not args.schemas:
         raise SpeculumError("--workload structured needs --schemas FILE (e.g. "
                             "../shared/data/jsonschemabench/schemas_dev.jsonl)")
+    cases = load_schemas(args.schemas)
     if args.n_schemas < 1:
         raise SpeculumError("--n-schemas must be at least 1")
     if args.temperature != 0:
@@ -262,7 +267,6 @@ def _bench_structured(args, methods: list[str]) -> int:
     bad = [m for m in methods if m in ("hf_pld", "hf_assisted", "draft_model")]
     if bad:
         raise SpeculumError(f"the structured benchmark runs hf and speculum's engine methods, not {', '.join(bad)}")
-    cases = load_schemas(args.schemas)
     model, tok, _, _ = _load(args)
     width = model.get_output_embeddings().weight.shape[0]
     cov = coverage(cases, tok, width, default_eos_ids(model, tok))
