@@ -8,8 +8,8 @@ token, and the :class:`~speculum.cache.KVCache` keeps the accepted entries.
 Cache invariant: every committed token except the newest (the *root*) has its KV entry in the
 cache. Prefill therefore runs over ``prompt[:-1]`` and each step feeds the root first.
 
-Constrained decoding (``grammar=``): forced tokens are drafted as a chain instead of asking the
-drafter (jump-forward), drafted tokens the grammar forbids are pruned, and every verified row of
+Constrained decoding (``grammar=``): tokens the grammar forces lead the draft, with the drafter's
+tree merged below them (jump-forward), drafted tokens the grammar forbids are pruned, and every verified row of
 logits is masked with the grammar state at its node, so the verifier accepts and samples from the
 constrained distribution: greedy output equals plain constrained decoding token for token.
 
@@ -25,12 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .constrain.matcher import Grammar, mask_logits, restrict_draft_probs
+from .constrain.matcher import Grammar, graft_forced, mask_logits, restrict_draft_probs
 from .drafters.base import Drafter
 from .errors import SpeculumError
 from .runner import runner_for
 from .sampling import SamplingParams
-from .tree import DraftTree
 from .tree_sizing import TreeSizer
 from .verify import Verifier
 
@@ -208,18 +207,17 @@ class Engine:
             t_m = time.perf_counter()
             forced = matcher.forced(room) if matcher is not None else []
             mask_s = time.perf_counter() - t_m
-            if forced:  # jump-forward: the grammar's forced tokens are the draft
-                tree = DraftTree.chain(forced)
-                tree.scores = [1.0] * len(forced)
-            else:
-                tree = self.drafter.propose(tokens, room)
-                if len(tree) > room:
-                    raise RuntimeError(f"{self.drafter.name} drafted {len(tree)} nodes with a budget of {room}")
+            tree = self.drafter.propose(tokens, room)
+            if len(tree) > room:
+                raise RuntimeError(f"{self.drafter.name} drafted {len(tree)} nodes with a budget of {room}")
+            scored = tree.scores is not None
+            if forced:  # jump-forward: the grammar's forced tokens lead the draft
+                tree = graft_forced(forced, tree, room)
             if matcher is not None:
                 t_m = time.perf_counter()
                 tree = matcher.prune(tree)
                 mask_s += time.perf_counter() - t_m
-            if self.sizer is not None and not forced:
+            if self.sizer is not None and scored:
                 tree = self.sizer.select(tree, cache.length)
             if matcher is not None:
                 t_m = time.perf_counter()
@@ -247,11 +245,11 @@ class Engine:
                 reason = "context"
             if matcher is not None:
                 matcher.commit(new)
-            if reason is None and not forced:  # a forced chain is not the drafter's proposal
+            if reason is None:
                 self.drafter.update(tokens, tree, acc, logits)
             t_d = time.perf_counter()
             steps.append(StepStats(len(tree), len(acc.path), len(new), t_b - t_a, t_c - t_b, t_d - t_c,
-                                   len(tree) if forced else 0, mask_s))
+                                   len(forced), mask_s))
             if new:
                 yield new
         self.drafter.finish(tokens)

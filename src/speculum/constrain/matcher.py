@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import SpeculumError
-from ..tree import DraftTree
+from ..tree import DraftTree, TreeBuilder
 from .spec import ConstraintSpec
 
 # tokenizer -> {(width, eos ids): LLTokenizer}; weak keys, so a freed tokenizer's id is never reused
@@ -187,3 +187,31 @@ def restrict_draft_probs(tree: DraftTree, allowed: torch.Tensor) -> DraftTree:
     q = tree.draft_probs * allowed[parent_rows].to(tree.draft_probs.device, tree.draft_probs.dtype)
     q = q / q.sum(-1, keepdim=True).clamp_min(1e-30)
     return DraftTree(tree.tokens, tree.parents, q, tree.scores, tree.tags)
+
+
+def graft_forced(forced: list[int], tree: DraftTree, budget: int) -> DraftTree:
+    """The forced chain with the drafter's ``tree`` merged onto it (jump-forward plus speculation).
+
+    Drafted paths that spell the forced tokens continue below the chain, so one verification
+    checks the forced tokens and the drafter's guess of what follows them; drafted nodes that
+    leave the chain stay as siblings (the grammar prunes the illegal ones). Forced nodes score
+    1.0; drafted nodes keep their scores and tags (1.0 and ``None`` when the drafter gives none).
+    A tree with draft probabilities (a sampled draft model) is not merged: its q belongs to its
+    own shape, so the forced chain alone is drafted.
+    """
+    if tree.draft_probs is not None or len(tree) == 0:
+        chain = DraftTree.chain(forced)
+        chain.scores = [1.0] * len(forced)
+        return chain
+    b = TreeBuilder()
+    b.add_path(forced, [1.0] * len(forced))
+    placed: dict[int, int] = {}
+    for i, (tok, p) in enumerate(zip(tree.tokens, tree.parents)):
+        parent = -1 if p < 0 else placed.get(p)
+        if parent is None:
+            continue
+        if len(b) >= budget and b.child(parent, tok) is None:
+            continue
+        placed[i] = b.add(parent, tok, tree.scores[i] if tree.scores is not None else 1.0,
+                          tree.tags[i] if tree.tags is not None else None)
+    return b.build()
