@@ -167,6 +167,7 @@ def _load(args):
 def cmd_generate(args) -> int:
     from .methods import build_method
     from .prompts import encode_prompt
+    from .text_stream import StreamingText
 
     if args.method not in METHODS:
         raise SpeculumError(f"unknown method {args.method!r}; choose from {', '.join(METHODS)}")
@@ -179,28 +180,20 @@ def cmd_generate(args) -> int:
     grammar = method.compile(spec) if spec is not None else None
     ids = encode_prompt(tok, args.prompt, args.chat)
 
-    generated: list[int] = []
-    shown = 0
+    text = StreamingText(tok, args.stop)
 
     def stream(chunk: list[int]) -> None:
-        nonlocal shown
-        generated.extend(chunk)
-        text = tok.decode(generated, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return
-        hold = max((len(s) for s in args.stop), default=1) - 1  # never print the start of a stop string
-        safe = len(text) - hold
-        if safe > shown:
-            sys.stdout.write(text[shown:safe])
+        delta = text.add(chunk)
+        if delta:
+            sys.stdout.write(delta)
             sys.stdout.flush()
-            shown = safe
 
     result = method.run(ids, args.max_new_tokens, sampling, args.stop, args.seed,
                         None if args.json else stream, grammar=grammar)
     if args.json:
         print(json.dumps(result.to_dict(), ensure_ascii=False))
     else:
-        sys.stdout.write(result.text[shown:] + "\n")
+        sys.stdout.write(text.finish(result.text) + "\n")
         print(f"[{result.new_tokens} tokens, {result.tok_s:.1f} tok/s, {result.mean_accepted:.2f} tokens/step, "
               f"{result.finish_reason}]", file=sys.stderr)
     return 0

@@ -19,8 +19,7 @@ class GrammarLogitsProcessor(LogitsProcessor):
 
     def __init__(self, grammar: Grammar, prompt_len: int):
         self.matcher = grammar.matcher()
-        self.prompt_len = prompt_len
-        self.seen = prompt_len
+        self.seen = prompt_len  # tokens of input_ids already consumed by the matcher (the prompt)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if input_ids.shape[0] != 1:

@@ -161,9 +161,6 @@ class TokenMatcher:
             if not self.m.consume_token(int(t)):
                 raise RuntimeError(f"generated token {t} violates the constraint: {self.m.get_error()}")
 
-    def is_accepting(self) -> bool:
-        return self.m.is_accepting()
-
     def _check(self) -> None:
         if self.m.is_error():
             raise RuntimeError(f"grammar matcher error: {self.m.get_error()}")

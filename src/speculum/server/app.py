@@ -23,11 +23,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..constrain import ConstraintSpec, Grammar
 from ..constrain.spec import strict_schema
-from ..engine import cut_at_stop, default_eos_ids
+from ..engine import default_eos_ids
 from ..errors import SpeculumError
 from ..methods import ENGINE_METHODS, build_method
 from ..runner import runner_for
 from ..sampling import SamplingParams
+from ..text_stream import StreamingText
 from .metrics import Metrics
 from .protocol import APIError, ChatCompletionRequest, CommonParams, CompletionRequest
 from .worker import Job, QueueFull, Worker
@@ -57,9 +58,8 @@ class ServerState:
 
     def get_method(self, name: str):
         if name not in self.methods:
-            m = build_method(name, self.model, self.tokenizer, runner=self.runner, max_tree=self.max_tree)
-            m.engine.eos_ids = set(self.eos_ids)
-            self.methods[name] = m
+            self.methods[name] = build_method(name, self.model, self.tokenizer, runner=self.runner,
+                                              max_tree=self.max_tree)
         return self.methods[name]
 
     def grammar(self, spec: ConstraintSpec) -> Grammar:
@@ -285,33 +285,6 @@ async def _events(request: Request, job: Job, every_s: float = 0.25) -> AsyncIte
                 return
         if item is not None:
             yield item
-
-
-class StreamingText:
-    """Turns a growing token list into text deltas that never need taking back."""
-
-    def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
-        self.tokens: list[int] = []
-        self.sent = ""
-
-    def add(self, tokens: list[int]) -> str:
-        self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        text = text.rstrip("\ufffd")  # an incomplete UTF-8 character
-        text = cut_at_stop(text, self.stop)
-        hold = max((k for s in self.stop for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
-        ready = text[: len(text) - hold]
-        if not ready.startswith(self.sent) or len(ready) <= len(self.sent):
-            return ""
-        delta, self.sent = ready[len(self.sent):], ready
-        return delta
-
-    def finish(self, final: str) -> str:
-        if not final.startswith(self.sent):  # a tokenizer that re-spaces decoded text: send what is new
-            return ""
-        rest, self.sent = final[len(self.sent):], final
-        return rest
 
 
 def _sse(obj: dict) -> str:

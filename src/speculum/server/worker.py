@@ -107,7 +107,6 @@ class Worker:
         try:
             while True:
                 if job.cancelled.is_set():
-                    it.close()
                     self.metrics.cancelled.inc()
                     job.emit("cancelled", None)
                     return
