@@ -22,7 +22,48 @@ import torch
 from transformers.cache_utils import Cache
 
 
-class KVCache(Cache):
+class PendingEntries:
+    """Commit / rollback bookkeeping shared by the engine's caches.
+
+    A subclass holds ``length`` committed and ``pending`` uncommitted entries and implements
+    ``_move_entries(src, dst)``, which gathers slots ``src`` to ``dst ..`` inside its buffers.
+    """
+
+    length: int
+    pending: int
+    device: torch.device
+
+    def _move_entries(self, src: torch.Tensor, dst: int) -> None:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def commit(self, keep: list[int] | None = None) -> None:
+        """Commit pending entries: all of them (``keep=None``) or those at indices ``keep``.
+
+        ``keep`` indexes the pending block (``0`` is the first token of the last forward) and must
+        be increasing. A prefix ``[0, 1, ..., m-1]`` costs nothing; other subsets (a tree path)
+        are gathered to the front of the pending block.
+        """
+        if keep is None:
+            self.length += self.pending
+        else:
+            m = len(keep)
+            if any(i >= self.pending for i in keep):
+                raise IndexError(f"keep {keep} outside the {self.pending} pending entries")
+            if keep != list(range(m)):
+                self._move_entries(torch.tensor(keep, device=self.device) + self.length, self.length)
+            self.length += m
+        self.pending = 0
+
+    def rollback(self, length: int) -> None:
+        """Drop committed entries past ``length``."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot roll back to {length} from {self.length}")
+        self.length = length
+        self.pending = 0
+
+
+class KVCache(PendingEntries, Cache):
     """Static per-layer KV buffers with commit / rollback.
 
     Attributes:
@@ -87,30 +128,8 @@ class KVCache(Cache):
         return self.num_layers
 
     # -- engine operations -------------------------------------------------------------------
-    @torch.inference_mode()
-    def commit(self, keep: list[int] | None = None) -> None:
-        """Commit pending entries: all of them (``keep=None``) or those at indices ``keep``.
-
-        ``keep`` indexes the pending block (``0`` is the first token of the last forward) and must
-        be increasing. A prefix ``[0, 1, ..., m-1]`` costs nothing; other subsets (a tree path)
-        are gathered to the front of the pending block.
-        """
-        if keep is None:
-            self.length += self.pending
-        else:
-            m = len(keep)
-            if any(i >= self.pending for i in keep):
-                raise IndexError(f"keep {keep} outside the {self.pending} pending entries")
-            if keep != list(range(m)):
-                idx = torch.tensor(keep, device=self.device) + self.length
-                for buf in self.keys + self.values:
-                    buf[:, :, self.length:self.length + m] = buf.index_select(2, idx)
-            self.length += m
-        self.pending = 0
-
-    def rollback(self, length: int) -> None:
-        """Drop committed entries past ``length``."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot roll back to {length} from {self.length}")
-        self.length = length
-        self.pending = 0
+    def _move_entries(self, src: torch.Tensor, dst: int) -> None:
+        """Copy entries at slots ``src`` (``[m]``) to slots ``dst .. dst+m-1`` in every buffer."""
+        m = src.shape[0]
+        for buf in self.keys + self.values:
+            buf[:, :, dst:dst + m] = buf.index_select(2, src)

@@ -19,6 +19,14 @@ DEFAULT_BENCH_METHODS = "hf,hf_pld,ar,ngram,suffix,auto"
 DEFAULT_STRUCTURED_METHODS = "hf,ar,ngram,auto"
 
 
+def _add_runner_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runner", choices=["auto", "native", "hf"], default="auto",
+                   help="what runs the model's forwards for speculum's own methods: 'native' (speculum's "
+                        "decoder for Llama-family and Gemma-3 models: static KV cache, CUDA graphs on GPU), "
+                        "'hf' (transformers' modules, any causal LM) or 'auto' (native where supported; "
+                        "default). The hf* baselines always run transformers' generate.")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct, packaged), 'gemma3' (Gemma-3-270M base, packaged), "
@@ -27,6 +35,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--draft-model", default=None,
                    help="draft model for the draft_model and hf_assisted methods (same tokenizer as --model)")
+    _add_runner_arg(p)
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="apply the tokenizer's chat template (default when it has one)")
@@ -95,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtypes", default="bfloat16,float32",
                    help="comma-separated dtypes to calibrate (default: %(default)s)")
     c.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    c.add_argument("--runners", default="auto",
+                   help="comma-separated runners to calibrate: auto, native, hf (default: %(default)s)")
     c.add_argument("--force", action="store_true", help="measure again even if a cached curve exists")
     c.add_argument("--out", default="calibration", help="directory for calibration.json/.md/.png "
                                                           "(default: %(default)s)")
@@ -113,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=16,
                    help="requests allowed to wait behind the running one; more get HTTP 429 (default: %(default)s)")
     s.add_argument("--max-tree", type=int, default=64, help="most drafted tokens per step (default: %(default)s)")
+    _add_runner_arg(s)
     s.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the --model argument)")
     return parser
@@ -156,11 +168,14 @@ def _sampling(args):
 
 def _load(args):
     from .models import load
+    from .runner import use_runner
 
     model, tok = load(args.model, args.dtype, args.device)
+    use_runner(model, args.runner)
     draft = draft_tok = None
     if args.draft_model:
         draft, draft_tok = load(args.draft_model, args.dtype, args.device)
+        use_runner(draft, args.runner)
     return model, tok, draft, draft_tok
 
 
@@ -283,22 +298,28 @@ def cmd_calibrate(args) -> int:
     from .bench.report import calibration_plot
     from .calibrate import REFERENCE_SCORES, load_or_measure
     from .models import load, parse_dtype
-    from .runner import runner_for
+    from .runner import RUNNER_KINDS, runner_for
     from .tree_sizing import best_size
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    kinds = [k.strip() for k in args.runners.split(",") if k.strip()]
     if not dtypes:
         raise SpeculumError("--dtypes is empty")
+    if not kinds or any(k not in RUNNER_KINDS for k in kinds):
+        raise SpeculumError(f"--runners takes a comma-separated list of {', '.join(RUNNER_KINDS)}")
     for d in dtypes:
         parse_dtype(d)
     curves, report = {}, {}
     for d in dtypes:
         model, _ = load(args.model, d, args.device)
-        cost = load_or_measure(runner_for(model), progress=True, force=args.force)
-        curves[d] = cost
-        report[d] = {"cost": cost.to_dict(),
-                     "budget": {str(c): best_size(REFERENCE_SCORES, cost, c) for c in cost.contexts}}
-        del model
+        for kind in kinds:
+            runner = runner_for(model, kind)
+            label = d if len(kinds) == 1 else f"{d} {type(runner).__name__}"
+            cost = load_or_measure(runner, progress=True, force=args.force)
+            curves[label] = cost
+            report[label] = {"runner": type(runner).__name__, "cost": cost.to_dict(),
+                             "budget": {str(c): best_size(REFERENCE_SCORES, cost, c) for c in cost.contexts}}
+        del model, runner
     lines = []
     for d, cost in curves.items():
         lines += [f"{d}: forward time in ms (rows: context length; columns: tokens in the forward)", "",
@@ -325,6 +346,7 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from .models import load
+    from .runner import use_runner
     from .server import ServerState, create_app
     from .server.app import SERVABLE_METHODS
 
@@ -335,6 +357,7 @@ def cmd_serve(args) -> int:
     if not 0 < args.port < 65536:
         raise SpeculumError("--port must be in 1..65535")
     model, tok = load(args.model, args.dtype, args.device)
+    use_runner(model, args.runner)
     state = ServerState(model, tok, args.served_model_name or args.model, args.method, args.max_queue,
                         args.max_tree)
     print(f"speculum: serving {state.model_name!r} ({args.method}) on http://{args.host}:{args.port}/v1",

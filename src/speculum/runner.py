@@ -35,6 +35,7 @@ import torch
 from transformers import AttentionInterface
 
 from .cache import KVCache
+from .errors import SpeculumError
 from .tree import DraftTree
 
 _ATTN_NAME = "speculum_sdpa"
@@ -96,6 +97,29 @@ def _packed_linear_forwards(model: torch.nn.Module) -> list[tuple[torch.nn.Modul
 
         pairs.append((module, forward))
     return pairs
+
+
+def visibility(length: int, positions: torch.Tensor, new_mask: torch.Tensor | None, window: int | None):
+    """Which keys ``n`` new tokens see after ``length`` cached ones: ``(full, sliding)``, each a
+    ``[n, length + n]`` bool mask (True = visible) or None (everything visible).
+
+    ``positions [n]`` of the new tokens; ``new_mask [n, n]`` among them (None = causal). On
+    sliding-window layers keys more than ``window - 1`` positions behind the query are hidden
+    (transformers' rule ``kv_pos > q_pos - window``); cached slot ``c`` holds position ``c``.
+    """
+    n = positions.shape[0]
+    dev = positions.device
+    if new_mask is None and n > 1:
+        new_mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+    full = None
+    if new_mask is not None:
+        full = torch.cat([torch.ones(n, length, dtype=torch.bool, device=dev), new_mask.to(dev)], dim=1)
+    sliding = full
+    if window is not None and int(positions.max()) - window >= 0:
+        key_pos = torch.cat([torch.arange(length, device=dev), positions])
+        in_window = key_pos[None, :] > positions[:, None] - window  # [n, L]
+        sliding = in_window if full is None else (full & in_window)
+    return full, sliding
 
 
 class Runner(Protocol):
@@ -163,18 +187,7 @@ class HFRunner:
         a KV head), or a dict ``{"full_attention": ..., "sliding_attention": ...}`` for models with
         mixed layers.
         """
-        n = positions.shape[0]
-        dev = self.device
-        if new_mask is None and n > 1:
-            new_mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-        full = None
-        if new_mask is not None:
-            full = torch.cat([torch.ones(n, cache_len, dtype=torch.bool, device=dev), new_mask.to(dev)], dim=1)
-        sliding = full
-        if self.sliding_window is not None and int(positions.max()) - self.sliding_window >= 0:
-            key_pos = torch.cat([torch.arange(cache_len, device=dev), positions])
-            in_window = key_pos[None, :] > positions[:, None] - self.sliding_window  # [n, L]
-            sliding = in_window if full is None else (full & in_window)
+        full, sliding = visibility(cache_len, positions, new_mask, self.sliding_window)
         if not self.uses_mask_mapping:
             return self._additive(full)
         return {"full_attention": self._additive(full), "sliding_attention": self._additive(sliding)}
@@ -223,10 +236,39 @@ class HFRunner:
         return self._forward(cache, [root] + tree.tokens, positions, new_mask, logits_to_keep=0)
 
 
-def runner_for(model: torch.nn.Module) -> HFRunner:
-    """The model's :class:`HFRunner`, built once and kept on the model (packing weights takes time)."""
-    runner = model.__dict__.get("_speculum_runner")
-    if runner is None:
-        runner = HFRunner(model)
-        model.__dict__["_speculum_runner"] = runner
-    return runner
+RUNNER_KINDS = ("auto", "native", "hf")
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in RUNNER_KINDS:
+        raise SpeculumError(f"unknown runner {kind!r}; choose from {', '.join(RUNNER_KINDS)}")
+
+
+def use_runner(model: torch.nn.Module, kind: str) -> None:
+    """Make ``kind`` (``auto``, ``native`` or ``hf``) the runner every engine method builds for ``model``."""
+    _check_kind(kind)
+    runner_for(model, kind)  # fails now, clearly, if the kind cannot run this model
+    model.__dict__["_speculum_runner_kind"] = kind
+
+
+def runner_for(model: torch.nn.Module, kind: str | None = None):
+    """The model's runner, built once per kind and kept on the model (re-laying weights takes time).
+
+    ``kind``: ``"native"`` (:class:`~speculum.native.NativeRunner`; raises
+    :class:`~speculum.errors.SpeculumError` for an unsupported architecture), ``"hf"``
+    (:class:`HFRunner`, any transformers causal LM) or ``"auto"``: native where the architecture is
+    supported, else hf. None: the kind set by :func:`use_runner` for this model, else
+    ``SPECULUM_RUNNER``, else ``auto``.
+    """
+    from .native import NativeRunner, unsupported_reason
+
+    kind = kind or model.__dict__.get("_speculum_runner_kind") or os.environ.get("SPECULUM_RUNNER", "auto")
+    _check_kind(kind)
+    if kind == "auto":
+        kind = "hf" if unsupported_reason(model.config) else "native"
+    elif kind == "native" and (reason := unsupported_reason(model.config)):
+        raise SpeculumError(f"the native runner does not support {reason}; use --runner hf")
+    runners = model.__dict__.setdefault("_speculum_runners", {})
+    if kind not in runners:
+        runners[kind] = NativeRunner(model) if kind == "native" else HFRunner(model)
+    return runners[kind]
