@@ -3,14 +3,16 @@
 Six prompts x 64 new tokens on SmolLM2-135M-Instruct (chat template) and on Gemma-3-270M (base,
 sliding-window layers; one prompt runs past its 512-token window), for every engine method:
 chains (ngram, draft_model) and trees (ngram_tree, suffix, recycling, mix, auto; sized to the
-calibrated float32 cost curve).
+calibrated float32 cost curve). Engine methods run on the native runner (the default for both
+models); plain decoding on the Hugging Face runner must give the same tokens.
 """
 
 import pytest
 
 from speculum.methods import build_method
+from speculum.native import NativeRunner
 from speculum.prompts import encode_prompt
-from speculum.runner import HFRunner
+from speculum.runner import HFRunner, runner_for
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +31,9 @@ SPECULATIVE = ("ngram", "ngram_tree", "suffix", "recycling", "mix", "auto")
 
 
 def _check_methods(model, tok, chat, draft=None):
-    runner = HFRunner(model)
+    runner = runner_for(model)
+    assert isinstance(runner, NativeRunner)
+    hf_runner = build_method("ar", model, tok, runner=HFRunner(model))
     names = ["hf", "ar", "hf_pld"] + list(SPECULATIVE) + (["draft_model"] if draft is not None else [])
     methods = {m: build_method(m, model, tok, draft, tok, runner=runner) for m in names}
     accepted = dict.fromkeys(SPECULATIVE, 0.0)
@@ -38,6 +42,8 @@ def _check_methods(model, tok, chat, draft=None):
         ref = methods["ar"].run(ids, NEW).tokens
         assert len(ref) > 0
         assert methods["hf"].run(ids, NEW).tokens == ref, "ar differs from transformers' greedy generate"
+        if prompt in PROMPTS[-3:]:
+            assert hf_runner.run(ids, NEW).tokens == ref, "the native runner differs from the HF runner"
         for name in names[2:]:
             out = methods[name].run(ids, NEW)
             assert out.tokens == ref, f"{name} differs from ar on {prompt[:40]!r}"
@@ -57,9 +63,10 @@ def test_gemma3_float32_lossless_past_window(gemma3_f32):
     assert model.config.sliding_window == 512
     long_prompt = PROMPTS[-1] * 3
     assert len(encode_prompt(tok, long_prompt, chat=False)) > 512 - NEW
-    runner = HFRunner(model)
+    runner = runner_for(model)
     ids = encode_prompt(tok, long_prompt, chat=False)
     ref = build_method("ar", model, tok, runner=runner).run(ids, NEW).tokens
+    assert build_method("ar", model, tok, runner=HFRunner(model)).run(ids, NEW).tokens == ref
     for name in ("ngram", "mix", "auto"):  # chains, and trees from every tree source (mix, auto)
         assert build_method(name, model, tok, runner=runner).run(ids, NEW).tokens == ref, name
     _check_methods(model, tok, chat=False)

@@ -47,7 +47,8 @@ def calibration_key(runner) -> str:
 
     cfg = runner.model.config.to_json_string(use_diff=False)
     parts = [str(FORMAT), cfg, str(runner.dtype), str(runner.device), _machine(), torch.__version__,
-             transformers.__version__, os.environ.get("SPECULUM_PACKED_LINEAR", "1"), type(runner).__name__]
+             transformers.__version__, os.environ.get("SPECULUM_PACKED_LINEAR", "1"), type(runner).__name__,
+             getattr(runner, "variant", "")]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 

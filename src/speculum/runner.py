@@ -99,6 +99,21 @@ def _packed_linear_forwards(model: torch.nn.Module) -> list[tuple[torch.nn.Modul
     return pairs
 
 
+def layer_types(config) -> list[str]:
+    """``"full_attention"`` or ``"sliding_attention"`` per layer.
+
+    transformers configs list them (``layer_types``) for Gemma-3, Qwen2/3 and others; Mistral
+    configs only give ``sliding_window``, which then applies to every layer.
+    """
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    if getattr(config, "model_type", "") == "mistral" and getattr(config, "sliding_window", None):
+        return ["sliding_attention"] * n
+    return ["full_attention"] * n
+
+
 def visibility(length: int, positions: torch.Tensor, new_mask: torch.Tensor | None, window: int | None):
     """Which keys ``n`` new tokens see after ``length`` cached ones: ``(full, sliding)``, each a
     ``[n, length + n]`` bool mask (True = visible) or None (everything visible).
@@ -151,9 +166,9 @@ class HFRunner:
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = cfg.num_attention_heads // self.kv_heads  # query heads per KV head
-        layer_types = getattr(cfg, "layer_types", None) or []
-        self.sliding_window = getattr(cfg, "sliding_window", None) if "sliding_attention" in layer_types else None
-        self.uses_mask_mapping = len(set(layer_types)) > 1 or self.sliding_window is not None
+        types = layer_types(cfg)
+        self.sliding_window = getattr(cfg, "sliding_window", None) if "sliding_attention" in types else None
+        self.uses_mask_mapping = len(set(types)) > 1  # mixed layers take a dict of masks
         self.prefill_chunk = prefill_chunk
         with torch.inference_mode():
             self._linear_forwards = _packed_linear_forwards(model)
@@ -185,11 +200,12 @@ class HFRunner:
         Returns None (attend to everything), a ``[1, 1, g*n, cache_len + n]`` additive float mask
         (0 or -inf; built once per forward and already repeated for the ``g`` query heads that share
         a KV head), or a dict ``{"full_attention": ..., "sliding_attention": ...}`` for models with
-        mixed layers.
+        mixed layers. transformers uses a 4-D mask as given, so a model whose layers all slide
+        (Mistral with ``sliding_window``) gets the windowed mask.
         """
         full, sliding = visibility(cache_len, positions, new_mask, self.sliding_window)
-        if not self.uses_mask_mapping:
-            return self._additive(full)
+        if not self.uses_mask_mapping:  # one kind of layer: `sliding` is `full` unless they all slide
+            return self._additive(sliding)
         return {"full_attention": self._additive(full), "sliding_attention": self._additive(sliding)}
 
     def _additive(self, mask: torch.Tensor | None) -> torch.Tensor | None:

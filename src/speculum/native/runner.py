@@ -4,14 +4,15 @@
   weights, grouped-query attention without repeated KV heads, no per-module Python overhead).
 - CUDA: verification forwards replay CUDA graphs (:mod:`speculum.native.graphs`) over one
   static KV buffer the runner owns; prefill and shapes outside the graph buckets run eagerly.
-  Because the graphs hold that buffer's address, a CUDA-graph runner serves one sequence at a
-  time: :meth:`new_cache` hands the buffer to a new cache, and using an older cache afterwards
-  raises.
+  Because the graphs hold that buffer's address, one cache at a time owns it: :meth:`new_cache`
+  hands the buffer to a new cache when no live cache holds it, and otherwise returns a private
+  cache whose steps run eagerly (a draft model sharing the target's runner, say).
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 
@@ -47,10 +48,11 @@ class NativeRunner:
         self.vocab_size = s.vocab
         self.max_positions = getattr(self.config, "max_position_embeddings", 1 << 20)
         self.prefill_chunk = prefill_chunk
+        self.variant = "fused" if self.decoder.fused else "exact"  # part of the calibration key
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and os.environ.get("SPECULUM_CUDA_GRAPHS", "1") != "0"
         self.graphs = None
-        self._owner = None  # the cache that currently holds the graphs' buffer
+        self._owner = None  # weak reference to the cache that holds the graphs' buffer
         if cuda_graphs:
             from .graphs import GraphedSteps
 
@@ -60,20 +62,21 @@ class NativeRunner:
             buf = torch.zeros((s.layers, 2, s.kv_heads, ctx, s.head_dim), dtype=self.dtype, device=self.device)
             self.graphs = GraphedSteps(self.decoder, buf, capture=cuda_graphs != "padded",
                                        compile=os.environ.get("SPECULUM_COMPILE", "0") == "1")
+            self.variant += f" graphs={cuda_graphs} context={ctx}"
 
     def new_cache(self, capacity: int = 1024) -> StaticKVCache:
         s = self.shape
-        if self.graphs is not None and capacity <= self.graphs.capacity:
+        free = self._owner is None or self._owner() is None
+        if self.graphs is not None and capacity <= self.graphs.capacity and free:
             cache = StaticKVCache(s.layers, s.kv_heads, s.head_dim, self.dtype, self.device, capacity,
                                   buffer=self.graphs.kv)
-            self._owner = cache
+            self._owner = weakref.ref(cache)
             return cache
         return StaticKVCache(s.layers, s.kv_heads, s.head_dim, self.dtype, self.device, capacity)
 
     def _check_owner(self, cache: StaticKVCache) -> None:
-        if cache.fixed and cache is not self._owner:
-            raise RuntimeError("this KV cache was superseded by a newer one on the same CUDA-graph runner "
-                               "(a CUDA-graph runner serves one sequence at a time)")
+        if cache.fixed and (self._owner is None or self._owner() is not cache):
+            raise RuntimeError("this KV cache's buffer belongs to another runner or cache")
 
     def _masks(self, length: int, positions: torch.Tensor, new_mask: torch.Tensor | None):
         """``{sliding: [g*n, length+n] additive or None}`` for ``n`` new tokens after ``length`` slots.

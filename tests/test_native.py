@@ -1,0 +1,194 @@
+"""The native runner against transformers: logits, greedy output, cache, graph-shaped steps, selection.
+
+Tiny random models of every supported family (Llama, Qwen2 with QKV bias, Qwen3 with q/k norms,
+Mistral whose window slides on every layer, Gemma-3 with mixed layers), float32. The packaged
+models are covered by ``test_real_models.py``, which runs every drafter on the native runner.
+"""
+
+import random
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, OracleDrafter, tiny_gemma3, tiny_llama
+
+from speculum.drafters.ar import AutoregressiveDrafter
+from speculum.engine import Engine
+from speculum.errors import SpeculumError
+from speculum.native import NativeDecoder, NativeRunner, StaticKVCache
+from speculum.runner import HFRunner, runner_for, use_runner
+from speculum.tree import DraftTree
+
+WINDOW = 8
+
+
+def _tiny(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    common = {"vocab_size": TINY_VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                  "attn_implementation": "sdpa", "eos_token_id": None, "pad_token_id": None, "bos_token_id": None}
+    if kind == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    elif kind == "qwen3":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))
+    elif kind == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
+
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=WINDOW))
+    elif kind == "llama":
+        return tiny_llama(seed)
+    else:
+        return tiny_gemma3(seed, window=WINDOW)
+    with torch.no_grad():  # random biases and norm weights, so that every parameter matters
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.2)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+KINDS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def model(request):
+    return _tiny(request.param)
+
+
+def _random_tree(rng: random.Random, k: int) -> DraftTree:
+    return DraftTree([rng.randrange(TINY_VOCAB) for _ in range(k)], [rng.randrange(-1, i) for i in range(k)])
+
+
+def _compare_steps(model, native: NativeRunner, atol: float, steps: int = 12) -> None:
+    """Prefill past the window, then tree forwards with random accepted paths: logits must agree."""
+    hf = HFRunner(model)
+    rng = random.Random(1)
+    prompt = [rng.randrange(TINY_VOCAB) for _ in range(3 * WINDOW)]
+    caches = hf.new_cache(128), native.new_cache(128)
+    hf.prefill(caches[0], prompt)
+    native.prefill(caches[1], prompt)
+    for _ in range(steps):
+        tree = _random_tree(rng, rng.randrange(0, 12))
+        root = rng.randrange(TINY_VOCAB)
+        want = hf.forward_tree(caches[0], root, tree)
+        got = native.forward_tree(caches[1], root, tree)
+        assert got.shape == want.shape == (len(tree) + 1, TINY_VOCAB)
+        torch.testing.assert_close(got, want, rtol=0, atol=atol)
+        path = [0]
+        node = rng.randrange(len(tree)) if len(tree) else -1
+        chain = []
+        while node >= 0:
+            chain.append(node + 1)
+            node = tree.parents[node]
+        path += sorted(chain)
+        for c in caches:
+            c.commit(path)
+    assert caches[0].length == caches[1].length > 3 * WINDOW
+
+
+def test_logits_equal_hf_runner(model):
+    """Eager native path: bit-for-bit the Hugging Face runner's float32 logits, trees included."""
+    _compare_steps(model, NativeRunner(model), atol=0.0)
+
+
+def test_graph_shaped_steps_match(model):
+    """The padded fixed-shape steps CUDA graphs capture (run here without capture)."""
+    native = NativeRunner(model, cuda_graphs="padded", graph_context=128)
+    assert native.graphs is not None and not native.graphs.capture
+    _compare_steps(model, native, atol=1e-5)
+
+
+def test_fused_kernels_match(model):
+    """The GPU path's fused RMSNorm / rotary / KV write, run on the CPU."""
+    native = NativeRunner(model)
+    native.decoder = NativeDecoder.from_hf(model, fused=True)
+    assert native.decoder.fused
+    _compare_steps(model, native, atol=1e-5)
+
+
+def test_greedy_equals_transformers_generate(model):
+    """Plain decoding on the native runner = transformers' own generate (its masks, its cache)."""
+    rng = random.Random(2)
+    prompt = [rng.randrange(TINY_VOCAB) for _ in range(12)]
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                             min_new_tokens=40)[0, len(prompt):].tolist()
+    assert Engine(NativeRunner(model), AutoregressiveDrafter()).generate(prompt, 40).tokens == ref
+
+
+@pytest.mark.parametrize("graphs", [False, "padded"])
+def test_tree_speculation_lossless(model, graphs):
+    rng = random.Random(3)
+    prompt = [rng.randrange(TINY_VOCAB) for _ in range(10)]
+    native = NativeRunner(model, cuda_graphs=graphs, graph_context=128)
+    ref = Engine(HFRunner(model), AutoregressiveDrafter()).generate(prompt, 48).tokens
+    full = prompt + ref
+    out = Engine(native, OracleDrafter(full, TINY_VOCAB, shape="tree", seed=4)).generate(prompt, 48)
+    assert out.tokens == ref
+    assert out.mean_accepted > 1.2
+
+
+def test_static_cache_commit_and_rollback():
+    cache = StaticKVCache(2, 1, 4, torch.float32, "cpu", capacity=8)
+    cache.kv[:, :, 0, :6] = torch.arange(6.0)[:, None]  # slot i holds value i
+    cache.pending = 6
+    cache.commit([0, 2, 5])
+    assert cache.length == 3 and cache.pending == 0
+    assert cache.kv[1, 1, 0, :3, 0].tolist() == [0.0, 2.0, 5.0]
+    cache.reserve(64)  # grows, keeps the committed entries
+    assert cache.capacity >= 64 and cache.kv[0, 0, 0, :3, 0].tolist() == [0.0, 2.0, 5.0]
+    cache.rollback(1)
+    assert cache.length == 1
+    with pytest.raises(ValueError):
+        cache.rollback(2)
+    cache.pending = 2
+    with pytest.raises(IndexError):
+        cache.commit([0, 3])
+    fixed = StaticKVCache(2, 1, 4, torch.float32, "cpu", 8, buffer=torch.zeros(2, 2, 1, 8, 4))
+    with pytest.raises(ValueError):
+        fixed.reserve(9)
+
+
+def test_graph_buffer_goes_to_one_live_cache():
+    native = NativeRunner(tiny_llama(), cuda_graphs="padded", graph_context=64)
+    first = native.new_cache(32)
+    assert first.fixed
+    second = native.new_cache(32)  # the first is alive: a private cache, stepped eagerly
+    assert not second.fixed
+    native.prefill(second, [1, 2, 3])
+    assert not native.new_cache(128).fixed  # longer than the graphs' buffer
+    del first
+    assert native.new_cache(32).fixed  # the buffer is free again
+    other = NativeRunner(tiny_llama(), cuda_graphs="padded", graph_context=64)
+    with pytest.raises(RuntimeError, match="belongs to another"):
+        other.prefill(native.new_cache(32), [1])
+
+
+def test_runner_selection():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    llama = tiny_llama(seed=5)
+    assert isinstance(runner_for(llama), NativeRunner)
+    assert isinstance(runner_for(llama, "hf"), HFRunner)
+    use_runner(llama, "hf")
+    assert isinstance(runner_for(llama), HFRunner)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=TINY_VOCAB, n_embd=32, n_layer=1, n_head=2)).eval()
+    assert isinstance(runner_for(gpt2), HFRunner)  # auto falls back
+    with pytest.raises(SpeculumError, match="native runner does not support"):
+        runner_for(gpt2, "native")
+    with pytest.raises(SpeculumError, match="unknown runner"):
+        use_runner(llama, "fast")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_cuda_graphs_match_hf_runner(kind):
+    model = _tiny(kind).cuda()
+    native = NativeRunner(model, graph_context=256)
+    assert native.graphs is not None and native.graphs.capture
+    _compare_steps(model, native, atol=1e-4, steps=20)
+    assert native.graphs.graphs  # steps really replayed captured graphs
