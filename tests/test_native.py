@@ -1,6 +1,7 @@
 """The native runner against transformers: logits, greedy output, cache, graph-shaped steps, selection.
 
-Tiny random models of every supported family (Llama, Qwen2 with QKV bias, Qwen3 with q/k norms,
+Tiny random models of every supported family (Llama, with and without attention and MLP biases,
+Qwen2 with QKV bias, Qwen3 with q/k norms,
 Mistral whose window slides on every layer, Gemma-3 with mixed layers), float32. The packaged
 models are covered by ``test_real_models.py``, which runs every drafter on the native runner.
 """
@@ -38,6 +39,10 @@ def _tiny(kind: str, seed: int = 0):
         from transformers import MistralConfig, MistralForCausalLM
 
         model = MistralForCausalLM(MistralConfig(**common, sliding_window=WINDOW))
+    elif kind == "llama_bias":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True))
     elif kind == "llama":
         return tiny_llama(seed)
     else:
@@ -50,7 +55,7 @@ def _tiny(kind: str, seed: int = 0):
     return model.eval()
 
 
-KINDS = ["llama", "qwen2", "qwen3", "mistral", "gemma3"]
+KINDS = ["llama", "llama_bias", "qwen2", "qwen3", "mistral", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=KINDS)

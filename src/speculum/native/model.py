@@ -46,6 +46,8 @@ def unsupported_reason(config) -> str | None:
             return f"rope type {rtype!r}"
     if mt == "smollm3" and any(not x for x in getattr(config, "no_rope_layers", [1])):
         return "layers without rotary positions (SmolLM3 NoPE)"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
     return None
 
 
@@ -96,6 +98,7 @@ class Linear:
                 and os.environ.get("SPECULUM_PACKED_LINEAR", "1") != "0"
                 and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            self.weight = None  # the packed copy replaces it (frees the fused QKV / gate-up copies)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -164,8 +167,11 @@ class Layer:
         self.qkv = Linear(torch.cat(w).detach(), None if b[0] is None else torch.cat(b).detach())
         self.o = Linear(attn.o_proj.weight.detach(),
                         None if attn.o_proj.bias is None else attn.o_proj.bias.detach())
-        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach())
-        self.down = Linear(mlp.down_proj.weight.detach())
+        gate_up_bias = None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
+                              None if gate_up_bias is None else gate_up_bias.detach())
+        self.down = Linear(mlp.down_proj.weight.detach(),
+                           None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach())
         norm = lambda m: None if m is None else RMSNorm(m.weight.detach(), _eps(m), gemma, fused)
         self.q_norm = norm(getattr(attn, "q_norm", None))
         self.k_norm = norm(getattr(attn, "k_norm", None))
