@@ -30,7 +30,7 @@ NEW = 64
 SPECULATIVE = ("ngram", "ngram_tree", "suffix", "recycling", "mix", "auto")
 
 
-def _check_methods(model, tok, chat, draft=None):
+def _check_methods(model, tok, chat, draft=None, cross_check=True):
     runner = runner_for(model)
     assert isinstance(runner, NativeRunner)
     hf_runner = build_method("ar", model, tok, runner=HFRunner(model))
@@ -42,7 +42,7 @@ def _check_methods(model, tok, chat, draft=None):
         ref = methods["ar"].run(ids, NEW).tokens
         assert len(ref) > 0
         assert methods["hf"].run(ids, NEW).tokens == ref, "ar differs from transformers' greedy generate"
-        if prompt in PROMPTS[-3:]:
+        if cross_check and prompt in PROMPTS[-3:]:
             assert hf_runner.run(ids, NEW).tokens == ref, "the native runner differs from the HF runner"
         for name in names[2:]:
             out = methods[name].run(ids, NEW)
@@ -69,4 +69,4 @@ def test_gemma3_float32_lossless_past_window(gemma3_f32):
     assert build_method("ar", model, tok, runner=HFRunner(model)).run(ids, NEW).tokens == ref
     for name in ("ngram", "mix", "auto"):  # chains, and trees from every tree source (mix, auto)
         assert build_method(name, model, tok, runner=runner).run(ids, NEW).tokens == ref, name
-    _check_methods(model, tok, chat=False)
+    _check_methods(model, tok, chat=False, cross_check=False)  # the HF runner was checked above (slow here)

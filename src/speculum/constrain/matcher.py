@@ -81,7 +81,7 @@ class Grammar:
 
 
 class TokenMatcher:
-    """One request's grammar state. Every method leaves the state where it found it except :meth:`commit`.
+    """One request's grammar state. Only :meth:`commit` changes it; tree walks run on copies.
 
     The end-of-sequence token is never fed to llguidance: ``validate_tokens`` does not count it and
     rolling back over it undoes one token too many. It is legal exactly when the grammar accepts.
@@ -91,9 +91,9 @@ class TokenMatcher:
         self.m, self.width, self.eos_ids = matcher, width, set(eos_ids)
         self._mask_bytes = (width + 31) // 32 * 4
 
-    def _bits(self) -> np.ndarray:
-        """``[width/8]`` uint8: the bitmask of tokens allowed in the current state."""
-        return np.frombuffer(self.m.compute_bitmask(), dtype=np.uint8)[: self._mask_bytes]
+    def _bits(self, m=None) -> np.ndarray:
+        """``[width/8]`` uint8: the bitmask of tokens allowed in ``m``'s state (default: this request's)."""
+        return np.frombuffer((self.m if m is None else m).compute_bitmask(), dtype=np.uint8)[: self._mask_bytes]
 
     def forced(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces next (its fast-forward tokens), validated."""
@@ -102,6 +102,14 @@ class TokenMatcher:
         ff = self.m.compute_ff_tokens()[:limit]
         return ff[: self.m.validate_tokens(ff)] if ff else []
 
+    def _branches(self, m, children: list[int]):
+        """``(child, matcher)`` pairs to walk each child on: copies of ``m`` for all but the last
+        child, ``m`` itself for the last. Tree walks never roll back: llguidance's ``rollback``
+        was seen to leave a different state than before the consumed token (a tree walk with
+        rollbacks then masked a legal token on a later step)."""
+        last = len(children) - 1
+        return [(c, m if i == last else m.deep_copy()) for i, c in enumerate(children)]
+
     def prune(self, tree: DraftTree) -> DraftTree:
         """``tree`` without the nodes the grammar forbids (and their descendants)."""
         if len(tree) == 0:
@@ -109,19 +117,18 @@ class TokenMatcher:
         kids = tree.children()
         keep: list[int] = []
 
-        def walk(row: int) -> None:
-            for c in kids[row]:
+        def walk(row: int, m) -> None:
+            for c, mc in self._branches(m, kids[row]):
                 tok = tree.tokens[c]
                 if tok in self.eos_ids:  # the end: legal once the grammar accepts; nothing follows it
-                    if self.m.is_accepting():
+                    if mc.is_accepting():
                         keep.append(c)
-                elif self.m.validate_tokens([tok]) == 1:
+                elif mc.validate_tokens([tok]) == 1:
                     keep.append(c)
-                    self.m.consume_token(tok)
-                    walk(c + 1)
-                    self.m.rollback(1)
+                    mc.consume_token(tok)
+                    walk(c + 1, mc)
 
-        walk(0)
+        walk(0, self.m.deep_copy())
         self._check()
         return tree if len(keep) == len(tree) else tree.subtree(sorted(keep))
 
@@ -132,18 +139,17 @@ class TokenMatcher:
         kids = tree.children()
         rows: list[np.ndarray | None] = [None] * (len(tree) + 1)
 
-        def walk(row: int) -> None:
-            rows[row] = self._bits()
-            for c in kids[row]:
+        def walk(row: int, m) -> None:
+            rows[row] = self._bits(m)
+            for c, mc in self._branches(m, kids[row]):
                 tok = tree.tokens[c]
                 if tok in self.eos_ids:
                     continue  # generation ends at this node: its row is never used
-                if not self.m.consume_token(tok):
+                if not mc.consume_token(tok):
                     raise RuntimeError(f"token {tok} is not legal here: prune the tree first")
-                walk(c + 1)
-                self.m.rollback(1)
+                walk(c + 1, mc)
 
-        walk(0)
+        walk(0, self.m.deep_copy() if len(tree) else self.m)
         self._check()
         full = np.full(self._mask_bytes, 255, dtype=np.uint8)
         bits = np.stack([r if r is not None else full for r in rows])  # [n + 1, width/8]
