@@ -75,8 +75,7 @@ def exactness(model_name: str, device: str, new_tokens: int) -> dict:
     return out
 
 
-def forward_cost(model_name: str, device: str, context: int, repeats: int, runner_names, counts) -> dict:
-    model, _ = speculum.load(model_name, dtype="bfloat16", device=device)
+def forward_cost(model, context: int, repeats: int, runner_names, counts) -> dict:
     runners = {name: HFRunner(model) if name == "hf" else NativeRunner(model) for name in runner_names}
     rng = random.Random(0)
     vocab = min(next(iter(runners.values())).vocab_size, 32000)
@@ -99,10 +98,9 @@ def forward_cost(model_name: str, device: str, context: int, repeats: int, runne
     return {name: {n: 1000 * statistics.median(v) for n, v in t.items()} for name, t in times.items()}
 
 
-def replay_ms(model_name: str, device: str, context: int, counts, repeats: int = 200) -> dict:
+def replay_ms(model, context: int, counts, repeats: int = 200) -> dict:
     """GPU time of one CUDA-graph replay per token count (events around ``repeats`` replays): the
     device's share of a step, without the host work around it."""
-    model, _ = speculum.load(model_name, dtype="bfloat16", device=device)
     runner = NativeRunner(model)
     cache = runner.new_cache(context + max(counts) + 1)
     runner.prefill(cache, list(range(100, 100 + context)))
@@ -143,7 +141,8 @@ def main() -> None:
         report["float32_exactness"] = exactness(args.model, device, args.new_tokens)
         print("float32 exactness:", report["float32_exactness"], flush=True)
     counts = [int(c) for c in args.counts.split(",")]
-    cost = forward_cost(args.model, device, args.context, args.repeats, args.runners.split(","), counts)
+    model, _ = speculum.load(args.model, dtype="bfloat16", device=device)
+    cost = forward_cost(model, args.context, args.repeats, args.runners.split(","), counts)
     report["bf16_forward_ms"] = cost
     lines = [f"bfloat16 forward time in ms at {args.context} cached tokens ({report['device']})", "",
              "| runner | " + " | ".join(str(n) for n in counts) + f" | {counts[-1]} / {counts[0]} |",
@@ -154,7 +153,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if device == "cuda" and "native" in args.runners:
-        report["graph_replay_ms"] = replay_ms(args.model, device, args.context, counts)
+        report["graph_replay_ms"] = replay_ms(model, args.context, counts)
         print("graph replay only (ms):", {n: round(v, 3) for n, v in report["graph_replay_ms"].items()})
     (out / "forward_cost.json").write_text(json.dumps(report, indent=1))
     (out / "forward_cost.md").write_text(text)

@@ -263,6 +263,7 @@ def _bench_structured(args, methods: list[str]) -> int:
         write_structured,
     )
     from .engine import default_eos_ids
+    from .runner import runner_for
 
     if not args.schemas:
         raise SpeculumError("--workload structured needs --schemas FILE (e.g. "
@@ -278,8 +279,6 @@ def _bench_structured(args, methods: list[str]) -> int:
     model, tok, _, _ = _load(args)
     width = model.get_output_embeddings().weight.shape[0]
     cov = coverage(cases, tok, width, default_eos_ids(model, tok))
-    from .runner import runner_for
-
     used = select(cases, cov, args.n_schemas, tok, runner_for(model).max_positions, args.max_new_tokens, args.chat)
     records = run_structured(model, tok, used, methods, args.max_new_tokens, args.chat, not args.no_progress)
     summary = summarize_structured(records, methods)

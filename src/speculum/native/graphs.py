@@ -27,7 +27,8 @@ import functools
 import numpy as np
 import torch
 
-from .model import NativeDecoder, grouped
+from ..runner import grouped
+from .model import NativeDecoder
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80)
 KEY_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)

@@ -19,7 +19,6 @@ the engine decodes one sequence.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -27,12 +26,11 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from ..runner import layer_types
+from ..runner import MATH_ATTENTION_ROWS, folded_attention, layer_types, packed_linear
 
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 GEMMA3 = {"gemma3_text"}
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}  # inv_freq fixed for all lengths
-_MATH_ATTENTION_ROWS = 8
 
 
 def unsupported_reason(config) -> str | None:
@@ -84,25 +82,19 @@ class DecoderShape:
 
 
 class Linear:
-    """``y = x W^T + b`` for ``x [n, in]``; on CPUs with oneDNN bfloat16 the weight is prepacked once.
-
-    Packing is the same trick as :mod:`speculum.runner`'s (2-4x faster than ``F.linear`` for the
-    1-64 token inputs of decoding); ``SPECULUM_PACKED_LINEAR=0`` disables it.
-    """
+    """``y = x W^T + b`` for ``x [n, in]``; bfloat16 CPU weights run prepacked by oneDNN
+    (:func:`speculum.runner.packed_linear`, 2-4x faster than ``F.linear`` for the 1-64 token inputs
+    of decoding), which then replaces the plain weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias  # [out, in], [out]
-        self.out_features = weight.shape[0]
-        self.packed = None
-        if (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-                and os.environ.get("SPECULUM_PACKED_LINEAR", "1") != "0"
-                and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self.packed = packed_linear(weight, bias)
+        if self.packed is not None:
             self.weight = None  # the packed copy replaces it (frees the fused QKV / gate-up copies)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+            return self.packed(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -345,29 +337,13 @@ class NativeDecoder:
         """``q [n, H, d]`` over ``k, v [H_kv, L, d]`` -> ``[n, H*d]``, without repeating the KV heads.
 
         The ``g`` query heads that share a KV head are folded into the row axis
-        (``[n, H, d] -> [H_kv, g*n, d]``). With ``g*n >= 8`` rows (or soft-capping) the explicit
-        matmul-softmax-matmul is used (measured 2x faster than the CPU flash kernel for 33 rows
-        over 1000 keys); otherwise ``scaled_dot_product_attention``.
+        (``[n, H, d] -> [H_kv, g*n, d]``) and :func:`~speculum.runner.folded_attention` runs the
+        math path for ``g*n >= 8`` rows on the CPU (or with soft-capping), else SDPA.
         """
         s = self.shape
         n = q.shape[0]
         g = s.group
         qg = q.view(n, s.kv_heads, g, s.head_dim).permute(1, 2, 0, 3).reshape(s.kv_heads, g * n, s.head_dim)
-        if s.attn_softcap is not None or (g * n >= _MATH_ATTENTION_ROWS and q.device.type == "cpu"):
-            scores = torch.matmul(qg, k.transpose(-1, -2)).float() * s.attn_scale  # [H_kv, g*n, L]
-            if s.attn_softcap is not None:
-                scores = torch.tanh(scores / s.attn_softcap) * s.attn_softcap
-            if mask is not None:
-                scores = scores + mask
-            out = torch.matmul(scores.softmax(-1).to(v.dtype), v)
-        else:
-            out = F.scaled_dot_product_attention(qg[None], k[None], v[None], attn_mask=mask, scale=s.attn_scale)[0]
+        use_math = g * n >= MATH_ATTENTION_ROWS and q.device.type == "cpu"
+        out = folded_attention(qg[None], k[None], v[None], mask, s.attn_scale, use_math, s.attn_softcap)[0]
         return out.view(s.kv_heads, g, n, s.head_dim).permute(2, 0, 1, 3).reshape(n, s.heads * s.head_dim)
-
-
-def grouped(mask: torch.Tensor | None, group: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """``[n, L]`` bool (True = visible) -> ``[g*n, L]`` additive mask (0 / -inf) in ``dtype``."""
-    if mask is None:
-        return None
-    add = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
-    return add.repeat(group, 1)

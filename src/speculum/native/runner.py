@@ -16,10 +16,10 @@ import weakref
 
 import torch
 
-from ..runner import visibility
+from ..runner import grouped, visibility
 from ..tree import DraftTree
 from .cache import StaticKVCache
-from .model import NativeDecoder, grouped
+from .model import NativeDecoder
 
 DEFAULT_GRAPH_CONTEXT = 4096
 
