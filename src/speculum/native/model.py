@@ -68,11 +68,9 @@ class DecoderShape:
     heads: int
     kv_heads: int
     head_dim: int
-    eps: float
     act: str
     attn_scale: float
     sliding_window: int | None
-    layer_sliding: list[bool]
     attn_softcap: float | None
     final_softcap: float | None
 
@@ -107,7 +105,7 @@ class RMSNorm:
     """
 
     def __init__(self, weight: torch.Tensor, eps: float, gemma: bool, fused: bool = False):
-        self.weight, self.eps, self.gemma, self.fused = weight, eps, gemma, fused
+        self.eps, self.gemma, self.fused = eps, gemma, fused
         self.scale = (1.0 + weight.float()) if gemma else weight
         self.fused_weight = self.scale.to(weight.dtype)
         self.shape = (weight.shape[0],)
@@ -229,11 +227,9 @@ class NativeDecoder:
             heads=heads,
             kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            eps=cfg.rms_norm_eps,
             act=getattr(cfg, "hidden_activation", None) or cfg.hidden_act,
             attn_scale=(cfg.query_pre_attn_scalar ** -0.5) if gemma else head_dim ** -0.5,
             sliding_window=window if any(sliding) else None,
-            layer_sliding=sliding,
             attn_softcap=getattr(cfg, "attn_logit_softcapping", None),
             final_softcap=getattr(cfg, "final_logit_softcapping", None),
         )
