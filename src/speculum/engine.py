@@ -30,6 +30,7 @@ from .drafters.base import Drafter
 from .errors import SpeculumError
 from .runner import runner_for
 from .sampling import SamplingParams
+from .tree import DraftTree
 from .tree_sizing import TreeSizer
 from .verify import Verifier
 
@@ -58,6 +59,7 @@ class GenerationResult:
     prefill_s: float
     forwards: int  # target forward passes that produced tokens (engine: one per step)
     steps: list[StepStats] = field(default_factory=list)  # per-step detail (engine methods only)
+    kv_bytes: int = 0  # the most bytes the KV cache held (committed entries; 0 where not measured)
 
     @property
     def new_tokens(self) -> int:
@@ -89,6 +91,7 @@ class GenerationResult:
             "time_other_s": round(sum(s.other_s for s in self.steps), 4),
             "forced": sum(s.forced for s in self.steps),
             "time_mask_s": round(sum(s.mask_s for s in self.steps), 4),
+            "kv_bytes": self.kv_bytes,
         }
 
 
@@ -146,13 +149,22 @@ class Engine:
         verifier_cls: the acceptance rule (tests swap in deliberately broken ones).
         sizer: trims each scored tree to the size that pays on this hardware
             (:class:`~speculum.tree_sizing.TreeSizer`); ``None`` verifies trees as drafted.
+        kv_policy: a :class:`~speculum.kv.KVPolicy` (eviction, quantization or sparse reads); the
+            engine prefills through it and calls its ``after_step`` after each commit. None keeps
+            the whole cache (exact).
     """
 
     def __init__(self, runner, drafter: Drafter, tokenizer=None, eos_token_ids: Sequence[int] | None = None,
-                 max_tree: int = 64, verifier_cls: type[Verifier] = Verifier, sizer: TreeSizer | None = None):
+                 max_tree: int = 64, verifier_cls: type[Verifier] = Verifier, sizer: TreeSizer | None = None,
+                 kv_policy=None):
         self.verifier_cls = verifier_cls
         self.sizer = sizer
         self.runner = runner_for(runner) if isinstance(runner, torch.nn.Module) else runner
+        self.kv_policy = kv_policy
+        if kv_policy is not None:
+            from .kv import PolicyRunner
+
+            self.runner = PolicyRunner(self.runner, kv_policy)
         self.drafter = drafter
         self.tokenizer = tokenizer
         self.max_tree = max_tree
@@ -168,11 +180,14 @@ class Engine:
 
     def stream(self, prompt_ids: Sequence[int], max_new_tokens: int = 128,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (), seed: int | None = None,
-               grammar: Grammar | None = None) -> Iterator[list[int]]:
+               grammar: Grammar | None = None, query_start: int | None = None) -> Iterator[list[int]]:
         """Yield lists of newly committed token ids; ``return`` the :class:`GenerationResult`.
 
         Use :meth:`generate` unless you need the tokens as they are accepted. ``grammar``
         constrains the output (:class:`~speculum.constrain.Grammar`, compiled for this tokenizer).
+        ``query_start`` (with a KV policy): the policy compresses ``prompt[:query_start]`` (the
+        context) before the rest (the question) is appended, query-agnostic; by default it sees the
+        whole prompt at prefill.
         """
         sampling = sampling or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
@@ -193,7 +208,11 @@ class Engine:
 
         t0 = time.perf_counter()
         cache = self.runner.new_cache(len(prompt) + max_new_tokens + self.max_tree + 1)
-        self.runner.prefill(cache, prompt[:-1])
+        split = len(prompt) - 1
+        if self.kv_policy is not None and query_start is not None:
+            split = min(max(1, query_start), split)
+        self.runner.prefill(cache, prompt[:split])
+        self._append(cache, prompt[split:-1])
         self.drafter.reset(prompt, sampling, gen)
         prefill_s = time.perf_counter() - t0
 
@@ -231,6 +250,8 @@ class Engine:
             acc = verifier.accept(tree, logits)
             t_c = time.perf_counter()
             cache.commit([0] + [i + 1 for i in acc.path])
+            if self.kv_policy is not None:
+                self.kv_policy.after_step(cache)
             before = len(generated)
             generated.extend(acc.tokens)
             keep, reason = stops.check(generated, before)
@@ -254,15 +275,25 @@ class Engine:
                 yield new
         self.drafter.finish(tokens)
         total = time.perf_counter() - t0
+        kv_bytes = getattr(cache, "peak_bytes", 0) or cache.nbytes()
         return GenerationResult(len(prompt), generated, stops.final_text(generated, reason), reason,
-                                total, prefill_s, len(steps), steps)
+                                total, prefill_s, len(steps), steps, kv_bytes)
+
+    def _append(self, cache, ids: list[int], chunk: int = 64) -> None:
+        """Commit ``ids`` after a prefill, as chains through the KV policy (the query-agnostic protocol)."""
+        for a in range(0, len(ids), chunk):
+            part = ids[a:a + chunk]
+            self.runner.forward_tree(cache, part[0], DraftTree.chain(part[1:]))
+            cache.commit()
+            if self.kv_policy is not None:
+                self.kv_policy.after_step(cache)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 128,
                  sampling: SamplingParams | None = None, stop: Sequence[str] = (), seed: int | None = None,
                  on_tokens: Callable[[list[int]], None] | None = None,
-                 grammar: Grammar | None = None) -> GenerationResult:
+                 grammar: Grammar | None = None, query_start: int | None = None) -> GenerationResult:
         """Run to a stop and return the result; ``on_tokens`` receives each committed chunk."""
-        it = self.stream(prompt_ids, max_new_tokens, sampling, stop, seed, grammar)
+        it = self.stream(prompt_ids, max_new_tokens, sampling, stop, seed, grammar, query_start)
         while True:
             try:
                 chunk = next(it)

@@ -142,7 +142,7 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
         draft_model / draft_tokenizer: for ``draft_model`` and ``hf_assisted``.
         runner: share one target runner between several engine methods.
         options: drafter settings, e.g. ``max_draft=12`` for ``ngram``, ``num_draft=4`` for
-            ``draft_model``, ``max_tree`` for the engine.
+            ``draft_model``, ``max_tree`` for the engine, ``kv_policy`` (a :class:`~speculum.kv.KVPolicy`).
     """
     if name not in METHODS:
         raise SpeculumError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
@@ -161,6 +161,9 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
         return HFMethod(name, model, tokenizer, prompt_lookup=options.get("prompt_lookup_num_tokens", 10))
     if name == "hf_assisted":
         return HFMethod(name, model, tokenizer, assistant=draft_model)
+    kv_policy = options.pop("kv_policy", None)
+    if kv_policy is not None and name in HF_METHODS:
+        raise SpeculumError(f"method {name!r} runs transformers' generate, which takes no speculum KV policy")
     max_tree = options.pop("max_tree", 64)
     sized = options.pop("sized", name in SIZED_METHODS)
     runner = runner or runner_for(model)
@@ -181,5 +184,5 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
     else:
         drafter = DraftModelDrafter(draft_model, **options)
     sizer = TreeSizer(load_or_measure(runner, progress=True)) if sized else None
-    engine = Engine(runner, drafter, tokenizer, max_tree=max_tree, sizer=sizer)
+    engine = Engine(runner, drafter, tokenizer, max_tree=max_tree, sizer=sizer, kv_policy=kv_policy)
     return EngineMethod(name, engine)

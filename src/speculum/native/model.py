@@ -268,56 +268,81 @@ class NativeDecoder:
             last_only: return only the last row's logits (prefill).
         Returns ``[n, V]`` logits (``[1, V]`` with ``last_only``).
         """
-        s = self.shape
         n = ids.shape[0]
-        h = F.embedding(ids, self.embed)
-        if self.embed_scale is not None:
-            h = h * self.embed_scale
-        rope = {}
-        for kind, r in self.rotary.items():
-            cos, sin = r.cos_sin(positions, self.dtype)  # [n, 1, d]
+
+        def attend(i: int, layer: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if self.fused:
-                half = s.head_dim // 2
-                sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-            rope[kind] = cos, sin
-        for i, layer in enumerate(self.layers):
-            cos, sin = rope["sliding_attention" if layer.sliding else "full_attention"]
-            x = layer.input_norm(h)
-            qkv = layer.qkv(x).view(n, s.heads + 2 * s.kv_heads, s.head_dim)
-            if self.fused:
-                q, k, v = self._qkv_fused(layer, qkv, cos, sin)
                 new = torch.stack((k, v)).transpose(1, 2)  # [2, H_kv, n, d]
                 if isinstance(write, int):
                     kv[i, :, :, write:write + n] = new
                 else:
                     kv[i].index_copy_(2, write, new)
+            elif isinstance(write, int):
+                kv[i, 0, :, write:write + n] = k.transpose(0, 1)
+                kv[i, 1, :, write:write + n] = v.transpose(0, 1)
             else:
-                q, k, v = qkv.split([s.heads, s.kv_heads, s.kv_heads], dim=1)
-                if layer.q_norm is not None:
-                    q, k = layer.q_norm(q), layer.k_norm(k)
-                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-                if isinstance(write, int):
-                    kv[i, 0, :, write:write + n] = k.transpose(0, 1)
-                    kv[i, 1, :, write:write + n] = v.transpose(0, 1)
-                else:
-                    kv[i, 0].index_copy_(1, write, k.transpose(0, 1))
-                    kv[i, 1].index_copy_(1, write, v.transpose(0, 1))
-            a = self._attend(q, kv[i, 0, :, :keys], kv[i, 1, :, :keys], masks[layer.sliding])
-            a = layer.o(a)
-            if layer.pre_mlp_norm is not None:  # Gemma: norms on both sides of each block
-                h = h + layer.post_attn_norm(a)
-                x = layer.pre_mlp_norm(h)
-            else:
-                h = h + a
-                x = layer.post_attn_norm(h)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            m = layer.down(self.act(gate) * up)
-            h = h + (layer.post_mlp_norm(m) if layer.post_mlp_norm is not None else m)
-        if last_only:
-            h = h[-1:]
+                kv[i, 0].index_copy_(1, write, k.transpose(0, 1))
+                kv[i, 1].index_copy_(1, write, v.transpose(0, 1))
+            return self.attend(q, kv[i, 0, :, :keys], kv[i, 1, :, :keys], masks[layer.sliding])
+
+        return self.forward_with(ids, positions, attend, last_only)
+
+    def forward_with(self, ids: torch.Tensor, positions: torch.Tensor, attend, last_only: bool = False) -> torch.Tensor:
+        """:meth:`forward` with the cache left to ``attend(i, layer, q [n, H, d], k, v [n, H_kv, d])
+        -> [n, H*d]``, which stores layer ``i``'s new keys and values where it keeps them and returns
+        the attention output (how KV policies run the model: :mod:`speculum.kv`)."""
+        h = self.embed_ids(ids)
+        rope = self.rope(positions)
+        for i, layer in enumerate(self.layers):
+            h = self.layer_forward(i, layer, h, rope, attend)
+        return self.logits(h[-1:] if last_only else h)
+
+    def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [n]`` -> hidden states ``[n, D]``."""
+        h = F.embedding(ids, self.embed)
+        return h * self.embed_scale if self.embed_scale is not None else h
+
+    def rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """``{layer kind: (cos, sin) [n, 1, d]}`` for ``positions [n]`` (sin sign-folded when fused)."""
+        rope = {}
+        for kind, r in self.rotary.items():
+            cos, sin = r.cos_sin(positions, self.dtype)  # [n, 1, d]
+            if self.fused:
+                half = self.shape.head_dim // 2
+                sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+            rope[kind] = cos, sin
+        return rope
+
+    def layer_forward(self, i: int, layer: Layer, h: torch.Tensor, rope: dict, attend) -> torch.Tensor:
+        """One decoder layer on ``h [n, D]``; ``attend`` as in :meth:`forward_with`."""
+        s = self.shape
+        n = h.shape[0]
+        cos, sin = rope["sliding_attention" if layer.sliding else "full_attention"]
+        x = layer.input_norm(h)
+        qkv = layer.qkv(x).view(n, s.heads + 2 * s.kv_heads, s.head_dim)
+        if self.fused:
+            q, k, v = self._qkv_fused(layer, qkv, cos, sin)
+        else:
+            q, k, v = qkv.split([s.heads, s.kv_heads, s.kv_heads], dim=1)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        a = layer.o(attend(i, layer, q, k, v))
+        if layer.pre_mlp_norm is not None:  # Gemma: norms on both sides of each block
+            h = h + layer.post_attn_norm(a)
+            x = layer.pre_mlp_norm(h)
+        else:
+            h = h + a
+            x = layer.post_attn_norm(h)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        m = layer.down(self.act(gate) * up)
+        return h + (layer.post_mlp_norm(m) if layer.post_mlp_norm is not None else m)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm, head and soft-capping: ``h [n, D]`` -> ``[n, V]``."""
         logits = self.head(self.final_norm(h))
-        if s.final_softcap is not None:
-            logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
+        if self.shape.final_softcap is not None:
+            logits = torch.tanh(logits / self.shape.final_softcap) * self.shape.final_softcap
         return logits
 
     def _qkv_fused(self, layer: Layer, qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
@@ -329,7 +354,7 @@ class NativeDecoder:
         qk = _rotate_fused(qk, cos, signed_sin)
         return qk[:, : s.heads], qk[:, s.heads:], v
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``q [n, H, d]`` over ``k, v [H_kv, L, d]`` -> ``[n, H*d]``, without repeating the KV heads.
 
         The ``g`` query heads that share a KV head are folded into the row axis

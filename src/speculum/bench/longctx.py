@@ -1,0 +1,224 @@
+"""``speculum longctx``: KV policies on the RULER-style suite (:mod:`speculum.bench.ruler`).
+
+For every length, every sample is run under every (policy, budget) in turn (``full`` first), so
+the methods see the machine in the same state. Per run it records the score
+(``string_match_all``), the most bytes the KV cache held, the process's peak resident memory
+during that run (``VmHWM`` after resetting it through ``/proc/self/clear_refs``; Linux only),
+prefill time and decode tokens per second.
+
+Two protocols: ``aware`` (the policy sees the whole prompt, question included, at prefill: how
+SnapKV's paper and decode-time selection work) and ``agnostic`` (the context is compressed
+before the question is appended: kvpress's default, the case of many questions over one
+document).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..drafters.ar import AutoregressiveDrafter
+from ..engine import Engine
+from ..errors import SpeculumError
+from ..kv import make_policy
+from ..prompts import has_chat_template
+from ..runner import runner_for
+from .ruler import LongTask, make_task, string_match_all
+
+PROTOCOLS = ("aware", "agnostic")
+
+
+@dataclass
+class LongRecord:
+    policy: str
+    budget: str
+    length: int
+    task: str
+    seed: int
+    prompt_tokens: int
+    accuracy: float
+    kv_bytes: int
+    peak_rss_bytes: int | None
+    prefill_s: float
+    decode_tok_s: float
+    output: str
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark of this process (Linux ``clear_refs``); False if unavailable."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss() -> int | None:
+    """``VmHWM`` of this process in bytes (None off Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def encode_task(tokenizer, t: LongTask, chat: bool | None = None) -> tuple[list[int], int]:
+    """Prompt ids (context, question, answer prefix) and the index where the question starts."""
+    if chat is None:
+        chat = has_chat_template(tokenizer)
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": t.context + "\n\n" + t.question}],
+                                             add_generation_prompt=True, tokenize=False) + t.answer_prefix
+        head, _, tail = text.partition("\n\n" + t.question)
+        tail = "\n\n" + t.question + tail
+        first = tokenizer(head, add_special_tokens=False)["input_ids"]
+    else:
+        head, tail = t.context, "\n\n" + t.question + "\n" + t.answer_prefix
+        first = tokenizer(head)["input_ids"]
+    return first + tokenizer(tail, add_special_tokens=False)["input_ids"], len(first)
+
+
+def run_longctx(model, tokenizer, lengths: list[int], tasks: list[str], policies: list[str],
+                budgets: list[str], samples: int = 2, protocol: str = "aware", chat: bool | None = None,
+                progress: bool = True) -> list[LongRecord]:
+    """Run the suite; returns one record per (sample, policy, budget)."""
+    if protocol not in PROTOCOLS:
+        raise SpeculumError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
+    runner = runner_for(model)
+    max_pos = runner.max_positions
+    configs: list[tuple[str, str]] = []
+    for spec in policies:
+        name = spec.partition(":")[0]
+        if name in ("full", "kv_quant"):  # no budget applies
+            configs.append((spec, "-"))
+        else:
+            configs += [(spec, b) for b in budgets]
+    engines = {}
+    for spec, budget in configs:
+        policy = make_policy(spec, budget if budget != "-" else "1.0")
+        engines[spec, budget] = Engine(runner, AutoregressiveDrafter(), tokenizer, kv_policy=policy)
+
+    def count(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    records: list[LongRecord] = []
+    work = [(length, task, seed) for length in lengths for task in tasks for seed in range(samples)]
+    bar = tqdm(total=len(work) * len(configs), desc="longctx", unit="run", disable=not progress)
+    warm = False
+    for length, task, seed in work:
+        t = make_task(task, min(length, max_pos - 128), seed, count)  # room for the answer at the model's limit
+        ids, query_start = encode_task(tokenizer, t, chat)
+        if len(ids) + t.max_new_tokens >= max_pos:
+            raise SpeculumError(f"a {len(ids)}-token prompt does not fit the model's context ({max_pos})")
+        if not warm:  # one short run first: kernels and allocator warm, not timed
+            engines[configs[0]].generate(ids[-256:], 4)
+            warm = True
+        for spec, budget in configs:
+            engine = engines[spec, budget]
+            reset_peak_rss()
+            r = engine.generate(ids, t.max_new_tokens,
+                                query_start=query_start if protocol == "agnostic" else None)
+            rss = peak_rss()
+            decode_s = r.time_s - r.prefill_s
+            records.append(LongRecord(spec, budget, length, task, seed, len(ids), string_match_all(r.text, t.expected),
+                                      r.kv_bytes, rss, round(r.prefill_s, 3),
+                                      round(r.new_tokens / decode_s, 3) if decode_s > 0 else 0.0, r.text))
+            bar.update(1)
+    bar.close()
+    return records
+
+
+def summarize(records: list[LongRecord]) -> list[dict]:
+    """Rows of the issue's table: mean over samples per (policy, budget, length, task), plus an
+    ``all`` task row per (policy, budget, length)."""
+    groups: dict[tuple, list[LongRecord]] = defaultdict(list)
+    for r in records:
+        groups[r.policy, r.budget, r.length, r.task].append(r)
+        groups[r.policy, r.budget, r.length, "all"].append(r)
+    rows = []
+    for (policy, budget, length, task), rs in groups.items():
+        rss = [r.peak_rss_bytes for r in rs if r.peak_rss_bytes is not None]
+        rows.append({
+            "policy": policy, "budget": budget, "length": length, "task": task, "samples": len(rs),
+            "accuracy": round(100 * statistics.mean(r.accuracy for r in rs), 1),
+            "kv_bytes": int(statistics.mean(r.kv_bytes for r in rs)),
+            "peak_rss_bytes": max(rss) if rss else None,
+            "decode_tok_s": round(statistics.mean(r.decode_tok_s for r in rs), 2),
+            "prefill_s": round(statistics.mean(r.prefill_s for r in rs), 2),
+        })
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """Accuracy x policy x budget x length, with memory and speed; ratios against ``full`` at each length."""
+    lengths = sorted({r["length"] for r in rows})
+    tasks = sorted({r["task"] for r in rows} - {"all"})
+    out = []
+    for length in lengths:
+        here = [r for r in rows if r["length"] == length]
+        full = next((r for r in here if r["policy"] == "full" and r["task"] == "all"), None)
+        out.append(f"### {length} tokens\n")
+        out.append("| policy | budget | " + " | ".join(tasks) + " | all | KV MiB | KV vs full | peak RSS MiB | "
+                   "decode tok/s | vs full |")
+        out.append("|---|---|" + "---:|" * (len(tasks) + 6))
+        for r in [r for r in here if r["task"] == "all"]:
+            acc = {x["task"]: x["accuracy"] for x in here if (x["policy"], x["budget"]) == (r["policy"], r["budget"])}
+            kv_ratio = f"{r['kv_bytes'] / full['kv_bytes']:.0%}" if full and full["kv_bytes"] else "-"
+            speed = f"{r['decode_tok_s'] / full['decode_tok_s']:.2f}x" if full and full["decode_tok_s"] else "-"
+            rss = f"{r['peak_rss_bytes'] / 2**20:.0f}" if r["peak_rss_bytes"] else "-"
+            out.append(f"| {r['policy']} | {r['budget']} | " + " | ".join(f"{acc.get(t, float('nan')):.0f}" for t in tasks)
+                       + f" | {r['accuracy']:.1f} | {r['kv_bytes'] / 2**20:.1f} | {kv_ratio} | {rss} | "
+                       f"{r['decode_tok_s']:.1f} | {speed} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def accuracy_plot(rows: list[dict], path: str | Path) -> None:
+    """Accuracy (all tasks) against KV bytes held, one line per policy, one panel per length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({r["length"] for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.6), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        here = [r for r in rows if r["length"] == length and r["task"] == "all"]
+        full = next((r for r in here if r["policy"] == "full"), None)
+        for policy in sorted({r["policy"] for r in here}):
+            pts = sorted((r["kv_bytes"] / 2**20, r["accuracy"]) for r in here if r["policy"] == policy)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+        if full:
+            ax.axhline(full["accuracy"], color="grey", linestyle=":", linewidth=1)
+        ax.set_title(f"{length} tokens")
+        ax.set_xlabel("KV cache held (MiB)")
+        ax.set_ylabel("accuracy (%)")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(out_dir: str | Path, records: list[LongRecord], meta: dict) -> list[dict]:
+    """``results.json`` (rows with the issue's fields, plus per-run records and run metadata),
+    ``results.md`` and ``accuracy.png`` in ``out_dir``; returns the rows."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summarize(records)
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    (out / "records.json").write_text(json.dumps({"meta": meta, "records": [asdict(r) for r in records]}, indent=1))
+    (out / "results.md").write_text(f"# speculum longctx ({time.strftime('%Y-%m-%d')})\n\n"
+                                    f"`{meta.get('command', '')}`\n\n" + markdown(rows))
+    accuracy_plot(rows, out / "accuracy.png")
+    return rows

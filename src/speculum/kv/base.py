@@ -1,0 +1,110 @@
+"""The KV-policy interface and budgets.
+
+A policy decides what the KV cache stores and what each decode step reads. The engine calls it
+at three points (see :class:`~speculum.kv.runner.PolicyRunner`):
+
+- **prefill**, layer by layer: :meth:`KVPolicy.store_prefill` receives one layer's full keys and
+  values (and, if the policy asks, attention statistics) and stores what it keeps, so the full
+  cache of all layers never exists at once (peak memory really falls);
+- **attention**, at every layer of every forward: :meth:`KVPolicy.attend` writes the new entries
+  and attends over what the policy chooses to read;
+- **after each step**, once the accepted tokens are committed: :meth:`KVPolicy.after_step`
+  (evict, quantize the entries that left the full-precision window, refresh page bounds).
+
+Budgets are a token count (``1024``) or a ratio of the prompt length (``0.25``). Policies are
+lossy by design; with a budget that covers the whole context each of them is token-identical to
+decoding without a policy (tests/test_kv.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SpeculumError
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A KV budget: ``tokens`` (an absolute count) or ``ratio`` (a fraction of the prompt)."""
+
+    tokens: int | None = None
+    ratio: float | None = None
+
+    @classmethod
+    def parse(cls, value) -> Budget:
+        """``"0.25"``, ``0.25`` -> ratio; ``"1024"``, ``1024`` -> tokens (an int above 1)."""
+        if isinstance(value, Budget):
+            return value
+        bad = SpeculumError(f"a KV budget is a token count (e.g. 1024) or a ratio in (0, 1] (e.g. 0.25), "
+                            f"got {value!r}")
+        text = str(value).strip()
+        try:
+            if isinstance(value, float) or "." in text or "e" in text.lower():
+                ratio = float(text)
+                if not 0 < ratio <= 1:
+                    raise bad
+                return cls(ratio=ratio)
+            tokens = int(text)
+        except ValueError:
+            raise bad from None
+        if tokens < 1:
+            raise bad
+        return cls(tokens=tokens)
+
+    def for_length(self, n: int) -> int:
+        """The budget in tokens for an ``n``-token prompt (at least 1)."""
+        if self.tokens is not None:
+            return max(1, self.tokens)
+        return max(1, math.ceil(self.ratio * n))
+
+    def __str__(self) -> str:
+        return str(self.tokens) if self.tokens is not None else f"{self.ratio:g}"
+
+
+class KVPolicy:
+    """Base class: the hooks a policy implements. See the module docstring for when each runs.
+
+    Class attributes:
+        name: the CLI name.
+        prefill_scores: attention statistics :meth:`store_prefill` needs: None, ``"window"`` (the
+            last ``observation_window`` prompt queries' attention over the prompt, SnapKV) or
+            ``"all"`` (attention summed over every prompt query, H2O).
+    """
+
+    name = "?"
+    prefill_scores: str | None = None
+    observation_window = 32
+
+    def __init__(self, budget="0.25"):
+        self.budget = Budget.parse(budget)
+
+    def __repr__(self) -> str:
+        return f"{self.name}(budget={self.budget})"
+
+    def new_cache(self, runner, capacity: int):
+        """A fresh cache for one request (``capacity``: prompt + new tokens + draft nodes)."""
+        raise NotImplementedError
+
+    def begin_prefill(self, cache, n: int) -> None:
+        """Before the layer-by-layer prefill of ``n`` prompt tokens: size the cache."""
+
+    def end_prefill(self, cache, n: int) -> None:
+        """After the last layer is stored."""
+
+    def store_prefill(self, cache, layer: int, sliding: bool, kv: torch.Tensor, scores: torch.Tensor | None) -> None:
+        """Keep what the policy wants of one layer's prompt entries ``kv [2, H_kv, n, d]``.
+
+        ``scores [H_kv, n]`` float32 as asked by :attr:`prefill_scores` (None otherwise).
+        """
+        raise NotImplementedError
+
+    def attend(self, cache, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               step) -> torch.Tensor:
+        """Store the new entries ``k, v [n, H_kv, d]`` and attend ``q [n, H, d]`` -> ``[n, H*d]``."""
+        return cache.attend_all(layer, sliding, q, k, v, step)
+
+    def after_step(self, cache) -> None:
+        """Called after each committed step."""

@@ -1,0 +1,78 @@
+"""What the three eviction policies (StreamingLLM, H2O, SnapKV) share.
+
+After prefill every layer and KV head keeps ``m = min(budget, n)`` of the ``n`` prompt entries;
+the cache is allocated for ``m`` plus what decoding adds, so the evicted entries never occupy
+memory beyond the one layer being prefilled. Sliding-window layers (Gemma-3) keep their most
+recent entries, which is all they ever attend to. Policies that also evict while decoding let
+the cache grow ``slack`` entries past the budget and then gather it back to the budget in one
+pass, so the cost of a gather is spread over many steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import KVPolicy
+from .cache import PolicyKVCache
+
+
+def recent(n: int, m: int, heads: int, device) -> torch.Tensor:
+    """Slots of the ``m`` most recent of ``n`` entries, ``[heads, m]``."""
+    return torch.arange(n - m, n, device=device).expand(heads, m)
+
+
+class EvictionPolicy(KVPolicy):
+    """Base of the eviction policies: subclasses choose the slots to keep."""
+
+    keeps_scores = False  # per-slot accumulated attention in the cache (H2O)
+    evicts_while_decoding = True
+
+    def new_cache(self, runner, capacity: int) -> PolicyKVCache:
+        return PolicyKVCache(runner.decoder, capacity, with_scores=self.keeps_scores)
+
+    @staticmethod
+    def slack(budget: int) -> int:
+        return max(16, budget // 16)
+
+    def begin_prefill(self, cache: PolicyKVCache, n: int) -> None:
+        budget = self.budget.for_length(n)
+        m = min(budget, n)
+        cache.state.update(budget=budget, kept=m)
+        growth = max(cache.capacity_hint - n, 1)
+        if self.evicts_while_decoding:
+            growth = min(growth, self.slack(budget) + 128)
+        cache.reserve(m + growth)
+
+    def store_prefill(self, cache: PolicyKVCache, layer: int, sliding: bool, kv: torch.Tensor,
+                      scores: torch.Tensor | None) -> None:
+        n = kv.shape[2]
+        m = cache.state["kept"]
+        idx = None
+        if m < n:
+            idx = recent(n, m, kv.shape[1], kv.device) if sliding else self.select_prefill(kv, scores, m)
+        cache.store_layer(layer, kv, idx)
+        if cache.score is not None and scores is not None:
+            cache.score[layer, :, :m] = scores if idx is None else scores.gather(1, idx)
+
+    def end_prefill(self, cache: PolicyKVCache, n: int) -> None:
+        m = cache.state["kept"]
+        cache.length, cache.evicted = m, n - m
+        cache.peak_bytes = cache.nbytes()
+
+    def select_prefill(self, kv: torch.Tensor, scores: torch.Tensor | None, m: int) -> torch.Tensor:
+        """Slots ``[H_kv, m]`` (increasing) to keep of a full-attention layer's ``kv [2, H_kv, n, d]``."""
+        raise NotImplementedError
+
+    def select_decode(self, cache: PolicyKVCache, layer: int, budget: int) -> torch.Tensor:
+        """Slots ``[H_kv, budget]`` (increasing) to keep of a full-attention layer's committed slots."""
+        raise NotImplementedError
+
+    def after_step(self, cache: PolicyKVCache) -> None:
+        budget = cache.state["budget"]
+        if not self.evicts_while_decoding or cache.length <= budget + self.slack(budget):
+            return
+        heads = cache.shape.kv_heads
+        idx = [recent(cache.length, budget, heads, cache.device) if sliding
+               else self.select_decode(cache, i, budget)
+               for i, sliding in enumerate(cache.sliding)]
+        cache.keep_slots(torch.stack(idx))

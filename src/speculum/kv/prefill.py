@@ -1,0 +1,72 @@
+"""Layer-by-layer prefill: the prompt passes through one layer at a time, so a KV policy stores
+what it keeps of each layer before the next layer runs and the full cache never exists at once.
+
+Inside a layer the prompt runs in chunks of ``chunk`` tokens with the same operations, shapes
+and masks as the native runner's chunked prefill (which goes chunk by chunk through all layers),
+so a policy that keeps everything gets bit-identical keys, values and logits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..runner import grouped, visibility
+from .scoring import attention_probs
+
+
+@torch.inference_mode()
+def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, window_rows: int, store) -> torch.Tensor:
+    """Run ``ids`` (``n`` tokens at positions ``0 .. n-1``) through ``decoder``.
+
+    Args:
+        scores: None, ``"window"``: per token, the attention the last ``window_rows`` prompt tokens
+            pay it, summed over those queries and the query heads of each KV group; ``"all"``: the
+            same over every prompt token (accumulated attention, H2O). Computed for full-attention
+            layers only.
+        store: ``store(layer, sliding, kv [2, H_kv, n, d], scores [H_kv, n] | None)``, called once
+            per layer when its keys and values are complete.
+    Returns the last token's logits ``[1, V]``.
+    """
+    s = decoder.shape
+    dev = decoder.device
+    n = len(ids)
+    positions = torch.arange(n, device=dev)
+    h = decoder.embed_ids(torch.tensor(ids, device=dev))
+    rope = decoder.rope(positions)
+    spans = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
+    w0 = max(0, n - window_rows)
+    for i, layer in enumerate(decoder.layers):
+        buf = torch.empty((2, s.kv_heads, n, s.head_dim), dtype=decoder.dtype, device=dev)
+        want = None if layer.sliding else scores
+        acc = torch.zeros((s.kv_heads, n), dtype=torch.float32, device=dev) if want == "all" else None
+        tail: list[torch.Tensor] = []
+        for a, b in spans:
+            # built per chunk and layer, as the chunked prefill does: all chunks' masks at once would
+            # hold g * n * n / 2 elements (200 MB at 8k tokens for SmolLM2)
+            vis = visibility(a, positions[a:b], None, s.sliding_window)[layer.sliding]
+            attend = functools.partial(_chunk_attention, decoder, buf, a, b, grouped(vis, s.group, decoder.dtype), acc,
+                                       tail if want == "window" and b > w0 else None, w0)
+            part = {kind: (cos[a:b], sin[a:b]) for kind, (cos, sin) in rope.items()}
+            h[a:b] = decoder.layer_forward(i, layer, h[a:b], part, attend)
+        layer_scores = acc
+        if want == "window":
+            qw = torch.cat(tail)  # [w, H, d], the queries of positions w0 .. n-1
+            vis = torch.arange(n, device=dev)[None, :] <= positions[w0:, None]  # causal [w, n]
+            layer_scores = attention_probs(decoder, qw, buf[0], grouped(vis, s.group, torch.float32)).sum(1)
+        store(i, layer.sliding, buf, layer_scores)
+    return decoder.logits(h[-1:])
+
+
+def _chunk_attention(decoder, buf, a, b, mask, acc, tail, w0, _i, _layer, q, k, v):
+    """One prompt chunk's attention in one layer: store its entries at ``a .. b-1`` of ``buf [2, H_kv,
+    n, d]``, attend over ``0 .. b-1``; add its attention to ``acc`` and keep the queries of positions
+    ``w0 ..`` in ``tail`` when those are given."""
+    buf[0, :, a:b] = k.transpose(0, 1)
+    buf[1, :, a:b] = v.transpose(0, 1)
+    if acc is not None:
+        acc[:, :b] += attention_probs(decoder, q, buf[0, :, :b], mask).sum(1)
+    if tail is not None:
+        tail.append(q[max(0, w0 - a):])
+    return decoder.attend(q, buf[0, :, :b], buf[1, :, :b], mask)

@@ -1,0 +1,71 @@
+"""``quest``: Quest (Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context
+LLM Inference"). The cache is cut into pages of ``page`` tokens, each summarised by the
+channel-wise minimum and maximum of its keys; at each step and layer, every page gets an upper
+bound of its attention score, ``sum_c max(q_c min_c, q_c max_c)``, and only the best pages (up
+to the budget) are read, plus the last, unfinished page. Unlike TidalDecode every sparse layer
+selects for itself, from the bounds, without reading the keys."""
+
+from __future__ import annotations
+
+import torch
+
+from .scoring import fold_queries, top_slots
+from .sparse import SparseReadPolicy
+
+
+class QuestPolicy(SparseReadPolicy):
+    """Query-aware page selection from per-page key bounds."""
+
+    name = "quest"
+
+    def __init__(self, budget="0.25", page: int = 16, dense: int = 2):
+        super().__init__(budget)
+        self.page = int(page)
+        self.dense_layers = int(dense)
+
+    def begin_prefill(self, cache, n):
+        super().begin_prefill(cache, n)
+        s = cache.shape
+        pages = cache.capacity // self.page + 1
+        shape = (s.layers, s.kv_heads, pages, s.head_dim)
+        cache.state.update(kmin=torch.empty(shape, dtype=cache.dtype, device=cache.device),
+                           kmax=torch.empty(shape, dtype=cache.dtype, device=cache.device), pages=0)
+
+    def end_prefill(self, cache, n):
+        super().end_prefill(cache, n)
+        self.after_step(cache)
+
+    def after_step(self, cache) -> None:
+        """Bounds for the pages completed since the last call (all layers at once)."""
+        st, p = cache.state, self.page
+        done, full = st["pages"], cache.length // p
+        if full <= done:
+            return
+        if full >= st["kmin"].shape[2]:  # the cache grew past the pages allocated
+            grow = lambda t: torch.cat([t, torch.empty_like(t)], dim=2)
+            st["kmin"], st["kmax"] = grow(st["kmin"]), grow(st["kmax"])
+        keys = cache.kv[:, 0, :, done * p: full * p]  # [layers, H_kv, (full-done)*p, d]
+        keys = keys.reshape(keys.shape[0], keys.shape[1], full - done, p, keys.shape[-1])
+        st["kmin"][:, :, done:full] = keys.amin(3)
+        st["kmax"][:, :, done:full] = keys.amax(3)
+        st["pages"] = full
+
+    def attend(self, cache, layer, sliding, q, k, v, step):
+        st, p = cache.state, self.page
+        pages = st["pages"]
+        tail = cache.length - pages * p
+        want = max(1, (st["read"] - tail) // p)
+        if self.dense(cache, layer, sliding) or want >= pages:
+            return cache.attend_all(layer, sliding, q, k, v, step)
+        qg = fold_queries(q, cache.shape.kv_heads)[:, :, None, :]  # [H_kv, g*n, 1, d]
+        kmin, kmax = st["kmin"][layer, :, None, :pages], st["kmax"][layer, :, None, :pages]  # [H_kv, 1, P, d]
+        bound = torch.maximum(qg * kmin, qg * kmax).sum(-1).amax(1)  # [H_kv, P]
+        chosen = top_slots(bound.float(), want)  # [H_kv, want] page numbers
+        s = cache.shape
+        block = torch.empty((2, s.kv_heads, want * p + tail + step.n, s.head_dim), dtype=cache.dtype,
+                            device=cache.device)
+        paged = cache.kv[layer, :, :, : pages * p].unflatten(2, (pages, p))  # [2, H_kv, pages, p, d]
+        for h in range(s.kv_heads):
+            torch.index_select(paged[:, h], 1, chosen[h], out=block[:, h, : want * p].unflatten(1, (want, p)))
+        block[:, :, want * p: want * p + tail] = cache.kv[layer, :, :, pages * p: cache.length]
+        return cache.attend_block(layer, q, k, v, block, step)

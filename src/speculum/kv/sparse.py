@@ -1,0 +1,36 @@
+"""What the decode-time sparse-attention policies (TidalDecode, Quest) share: the whole cache is
+stored (slot ``c`` holds position ``c``) and the budget bounds how many cached tokens each
+full-attention layer *reads* per step. The first ``dense_layers`` layers and sliding-window
+layers (which read only their window) always attend densely; a budget that covers the whole
+context turns the policy into full attention."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import KVPolicy
+from .cache import PolicyKVCache
+
+
+class SparseReadPolicy(KVPolicy):
+    """Full storage, sparse reads: subclasses implement :meth:`attend`."""
+
+    dense_layers = 2
+
+    def new_cache(self, runner, capacity: int) -> PolicyKVCache:
+        return PolicyKVCache(runner.decoder, capacity)
+
+    def begin_prefill(self, cache: PolicyKVCache, n: int) -> None:
+        cache.reserve(max(cache.capacity_hint, n + 1))
+        cache.state["read"] = self.budget.for_length(n)
+
+    def store_prefill(self, cache: PolicyKVCache, layer: int, sliding: bool, kv: torch.Tensor, scores) -> None:
+        cache.store_layer(layer, kv, None)
+
+    def end_prefill(self, cache: PolicyKVCache, n: int) -> None:
+        cache.length = n
+        cache.peak_bytes = cache.nbytes()
+
+    def dense(self, cache: PolicyKVCache, layer: int, sliding: bool) -> bool:
+        """Layers that read everything: the first ones, sliding ones, and all while the context fits the budget."""
+        return sliding or layer < self.dense_layers or cache.length <= cache.state["read"]
