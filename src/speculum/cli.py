@@ -1,4 +1,4 @@
-"""``speculum`` command line: ``generate``, ``bench``, ``calibrate`` and ``serve``.
+"""``speculum`` command line: ``generate``, ``bench``, ``calibrate``, ``longctx`` and ``serve``.
 
 User mistakes (unknown model or method, bad parameters, empty prompt, ...) print one line
 ``speculum: error: ...`` and exit with status 2; they never show a traceback.
@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("--regex", help="the output must match this regular expression")
     con.add_argument("--choice", help="the output must be one of these comma-separated strings")
     con.add_argument("--grammar", metavar="FILE", help="the output must match this Lark grammar")
+    kvg = g.add_argument_group("KV cache (long prompts)")
+    kvg.add_argument("--kv-policy", default="full",
+                     help="what the KV cache keeps and reads: full (default), streaming, h2o, snapkv, kv_quant, "
+                          "tidal, quest; options as name:key=value,... (see `speculum longctx --help`)")
+    kvg.add_argument("--kv-budget", default="0.25",
+                     help="KV budget: a token count (1024) or a ratio of the prompt (0.25; default)")
     _add_model_args(g)
 
     b = sub.add_parser("bench", help="benchmark methods on Spec-Bench-format prompts",
@@ -109,6 +115,49 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="measure again even if a cached curve exists")
     c.add_argument("--out", default="calibration", help="directory for calibration.json/.md/.png "
                                                           "(default: %(default)s)")
+    lc = sub.add_parser(
+        "longctx", help="KV-cache policies on a RULER-style long-context suite",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Generate RULER-style tasks offline (fixed seeds; filler haystacks, never downloaded) at the "
+                    "given prompt lengths and run each sample under every KV policy and budget, plain greedy "
+                    "decoding. Prints and writes a table of accuracy (RULER's string_match_all, in %) x policy x "
+                    "budget x length with the KV bytes held, the peak resident memory of each run, and decode "
+                    "tok/s: DIR/results.json, DIR/results.md, DIR/records.json (every output) and "
+                    "DIR/accuracy.png (accuracy against KV bytes).",
+        epilog="policies (name or name:key=value,...):\n"
+               "  full       whole cache, full attention (the baseline; always run first)\n"
+               "  streaming  StreamingLLM: 4 attention sinks + recent window        (sinks=4)\n"
+               "  h2o        H2O: heavy hitters by accumulated attention + recent  (recent_ratio=0.5)\n"
+               "  snapkv     SnapKV: observation-window votes, pooled               (window=32, kernel=7)\n"
+               "  kv_quant   KIVI: 2/4-bit keys per channel, values per token       (bits=4, group=32, "
+               "residual=32)\n"
+               "  tidal      TidalDecode: top-k tokens from selection layers        (layers=2+12, dense=2)\n"
+               "  quest      Quest: top pages by key-bound scores                   (page=16, dense=2)\n"
+               "budgets: tokens (1024) or a ratio of the prompt (0.25): tokens kept (eviction) or read per "
+               "step (tidal, quest); kv_quant ignores them.\n"
+               "protocols: aware = the policy sees the question at prefill; agnostic = the context is "
+               "compressed first, then the question is appended (kvpress's default).")
+    lc.add_argument("--lengths", default="1024,2048,4096,8192",
+                    help="prompt lengths in tokens, comma-separated; capped at the model's context minus "
+                         "room for the answer (default: %(default)s)")
+    lc.add_argument("--policies", default="full,streaming,h2o,snapkv,kv_quant,tidal,quest",
+                    help="comma-separated policies (default: %(default)s)")
+    lc.add_argument("--budget", default="0.25", help="comma-separated budgets (default: %(default)s)")
+    lc.add_argument("--tasks", default="niah_single,niah_multikey,passkey",
+                    help="comma-separated from niah_single, niah_multikey, niah_multivalue, niah_multiquery, "
+                         "passkey, variable_tracking, common_words (default: %(default)s)")
+    lc.add_argument("--samples", type=int, default=2, help="samples per task and length (default: %(default)s)")
+    lc.add_argument("--protocol", default="aware", choices=["aware", "agnostic"],
+                    help="when the policy compresses: with the question (aware) or before it (agnostic)")
+    lc.add_argument("--out", default="longctx-out", help="output directory (default: %(default)s)")
+    lc.add_argument("--model", default="default", help="as for generate (default: %(default)s)")
+    lc.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32 or float16")
+    lc.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    chat_lc = lc.add_mutually_exclusive_group()
+    chat_lc.add_argument("--chat", dest="chat", action="store_true", default=None,
+                         help="apply the tokenizer's chat template (default when it has one)")
+    chat_lc.add_argument("--no-chat", dest="chat", action="store_false", help="raw text prompts")
+
     s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                        description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming, "
                                    "response_format json_object / json_schema, sampling parameters), /health "
@@ -190,8 +239,11 @@ def cmd_generate(args) -> int:
         raise SpeculumError("--max-new-tokens must be at least 1")
     sampling = _sampling(args)
     spec = _constraint(args)
+    from .kv import make_policy
+
+    policy = make_policy(args.kv_policy, args.kv_budget)
     model, tok, draft, draft_tok = _load(args)
-    method = build_method(args.method, model, tok, draft, draft_tok)
+    method = build_method(args.method, model, tok, draft, draft_tok, kv_policy=policy)
     grammar = method.compile(spec) if spec is not None else None
     ids = encode_prompt(tok, args.prompt, args.chat)
 
@@ -341,6 +393,50 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_longctx(args) -> int:
+    import shlex
+
+    from .bench.longctx import markdown, run_longctx, write_outputs
+    from .bench.ruler import TASKS
+    from .kv import Budget, make_policy
+    from .models import load
+
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]
+    try:
+        lengths = [int(x) for x in split(args.lengths)]
+    except ValueError:
+        raise SpeculumError("--lengths takes comma-separated token counts, e.g. 1024,2048") from None
+    if not lengths or min(lengths) < 256:
+        raise SpeculumError("--lengths: give lengths of at least 256 tokens")
+    tasks, policies, budgets = split(args.tasks), split(args.policies), split(args.budget)
+    if unknown := [t for t in tasks if t not in TASKS]:
+        raise SpeculumError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
+    if not tasks or not policies or not budgets:
+        raise SpeculumError("--tasks, --policies and --budget must not be empty")
+    if args.samples < 1:
+        raise SpeculumError("--samples must be at least 1")
+    for b in budgets:
+        Budget.parse(b)
+    for p in policies:
+        make_policy(p, budgets[0])
+    if "full" in policies:  # the baseline runs first
+        policies = ["full"] + [p for p in policies if p != "full"]
+    model, tok = load(args.model, args.dtype, args.device)
+    records = run_longctx(model, tok, lengths, tasks, policies, budgets, args.samples, args.protocol, args.chat)
+    meta = {"command": "speculum " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "model": args.model,
+            "dtype": args.dtype, "protocol": args.protocol, "threads": torch_threads()}
+    rows = write_outputs(args.out, records, meta)
+    print(markdown(rows))
+    print(f"wrote {args.out}/results.json, results.md, records.json, accuracy.png")
+    return 0
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def cmd_serve(args) -> int:
     import uvicorn
 
@@ -377,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         handler = {"generate": cmd_generate, "bench": cmd_bench, "calibrate": cmd_calibrate,
-                   "serve": cmd_serve}[args.command]
+                   "longctx": cmd_longctx, "serve": cmd_serve}[args.command]
         return handler(args)
     except SpeculumError as e:
         print(f"speculum: error: {e}", file=sys.stderr)

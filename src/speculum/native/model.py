@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from ..runner import MATH_ATTENTION_ROWS, folded_attention, layer_types, packed_linear
+from ..runner import folded_attention, layer_types, packed_linear, use_math_attention
 
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 GEMMA3 = {"gemma3_text"}
@@ -359,12 +359,12 @@ class NativeDecoder:
 
         The ``g`` query heads that share a KV head are folded into the row axis
         (``[n, H, d] -> [H_kv, g*n, d]``) and :func:`~speculum.runner.folded_attention` runs the
-        math path for ``g*n >= 8`` rows on the CPU (or with soft-capping), else SDPA.
+        math path where :func:`~speculum.runner.use_math_attention` says it pays (or with soft-capping), else SDPA.
         """
         s = self.shape
         n = q.shape[0]
         g = s.group
         qg = q.view(n, s.kv_heads, g, s.head_dim).permute(1, 2, 0, 3).reshape(s.kv_heads, g * n, s.head_dim)
-        use_math = g * n >= MATH_ATTENTION_ROWS and q.device.type == "cpu"
+        use_math = use_math_attention(g * n, q.device)
         out = folded_attention(qg[None], k[None], v[None], mask, s.attn_scale, use_math, s.attn_softcap)[0]
         return out.view(s.kv_heads, g, n, s.head_dim).permute(2, 0, 1, 3).reshape(n, s.heads * s.head_dim)

@@ -1,0 +1,196 @@
+"""KV policies (speculum.kv): exact where they keep everything, really smaller where they do not.
+
+- Every policy whose budget covers the context is token-identical to decoding without a policy
+  (float32), with plain decoding and with tree speculation, on tiny Llama (6 layers, so that
+  TidalDecode and Quest have sparse layers) and tiny Gemma-3 (sliding-window layers).
+- The layer-by-layer prefill gives bit-identical logits to the native runner's prefill.
+- With a small budget, eviction keeps exactly the budget (plus slack while decoding) and the
+  bytes shrink; TidalDecode's top-k equal to the context is full attention; KIVI packing is
+  exact and its quantization error bounded; 4-bit KV is under 35% of the bfloat16 cache.
+- The packaged SmolLM2 and Gemma-3 (past its window) decode identically through every policy
+  with a covering budget, and the RULER-style suite scores and protocols behave.
+"""
+
+import random
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, OracleDrafter, tiny_gemma3, tiny_llama
+
+from speculum.drafters.ar import AutoregressiveDrafter
+from speculum.engine import Engine
+from speculum.errors import SpeculumError
+from speculum.kv import POLICIES, Budget, make_policy
+from speculum.kv.kv_quant import pack, quantize, unpack
+from speculum.kv.prefill import prefill_layerwise
+from speculum.kv.tidal import default_selection_layers
+from speculum.runner import runner_for
+
+SPECS = ["streaming", "h2o", "snapkv", "tidal", "quest", "kv_quant"]
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny(request):
+    return tiny_llama(layers=6) if request.param == "llama" else tiny_gemma3()
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(TINY_VOCAB) for _ in range(n)]
+
+
+def _run(model, prompt, policy=None, drafter=None, new=40, **kw):
+    engine = Engine(runner_for(model, "native"), drafter or AutoregressiveDrafter(), kv_policy=policy)
+    return engine.generate(prompt, new, **kw)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_covering_budget_is_exact(tiny, spec):
+    prompt = _prompt(50)
+    base = _run(tiny, prompt)
+    # budget beyond any context: nothing evicted, everything read (kv_quant: nothing leaves the
+    # full-precision window)
+    policy = make_policy(spec + (":residual=100000" if spec == "kv_quant" else ""), "100000")
+    assert _run(tiny, prompt, policy).tokens == base.tokens
+    tree = OracleDrafter(base.tokens, TINY_VOCAB, shape="tree", seed=3)
+    assert _run(tiny, prompt, policy, tree).tokens == base.tokens
+    # the query-agnostic protocol (context first, question appended) changes nothing either
+    assert _run(tiny, prompt, policy, query_start=30).tokens == base.tokens
+
+
+def test_layerwise_prefill_bit_identical(tiny):
+    """Layer by layer or chunk by chunk through all layers: the same keys, values and logits."""
+    runner = runner_for(tiny, "native")
+    prompt = _prompt(70)
+    cache = runner.new_cache(128)
+    for a in range(0, len(prompt), 16):  # the native runner's chunked prefill, 16-token chunks
+        chunk = prompt[a:a + 16]
+        ref = runner._eager(cache, chunk, torch.arange(a, a + len(chunk)), None, last_only=True)
+        cache.commit()
+    stored = {}
+    logits = prefill_layerwise(runner.decoder, prompt, 16, None, 0, lambda i, s, kv, sc: stored.update({i: kv}))
+    assert torch.equal(logits, ref)
+    for i, kv in stored.items():
+        assert torch.equal(kv, cache.kv[i, :, :, :70])
+
+
+@pytest.mark.parametrize("spec", ["streaming", "h2o", "snapkv"])
+def test_eviction_keeps_the_budget(spec):
+    model = tiny_llama(layers=4)
+    prompt = _prompt(80, seed=1)
+    base = _run(model, prompt, new=60)
+    policy = make_policy(spec, "20")
+    engine = Engine(runner_for(model, "native"), AutoregressiveDrafter(), kv_policy=policy)
+    cache = engine.runner.new_cache(200)
+    engine.runner.prefill(cache, prompt[:-1])
+    assert cache.length == 20 and cache.evicted == len(prompt) - 1 - 20
+    per_entry = 4 * 2 * 2 * 16 * 4  # layers x (K, V) x KV heads x head dim x float32
+    assert cache.nbytes() == 20 * per_entry
+    assert base.kv_bytes == (79 + 60) * per_entry
+    r = _run(model, prompt, policy, new=60)
+    assert r.new_tokens == 60
+    if spec == "snapkv":  # selects at prefill only; generated tokens are appended
+        assert r.kv_bytes == (20 + 60) * per_entry
+    else:  # evicts back to the budget once the cache runs `slack` past it
+        assert r.kv_bytes == (20 + policy.slack(20) + 1) * per_entry
+
+
+def test_snapkv_keeps_what_the_window_attends():
+    """The observation window's votes decide: a token the window attends to strongly is kept."""
+    policy = make_policy("snapkv:window=4,kernel=1", "8")
+    kv = torch.zeros(2, 2, 40, 4)
+    scores = torch.zeros(2, 40)
+    scores[0, 7] = scores[1, 20] = 5.0
+    idx = policy.select_prefill(kv, scores, 8)
+    assert idx.shape == (2, 8)
+    assert 7 in idx[0].tolist() and 20 in idx[1].tolist()
+    assert idx[:, -4:].tolist() == [[36, 37, 38, 39]] * 2  # the window itself
+    assert torch.all(idx[:, 1:] > idx[:, :-1])
+
+
+def test_tidal_topk_at_context_is_full_attention_and_smaller_k_is_sparse():
+    model = tiny_llama(layers=6)
+    prompt = _prompt(60, seed=2)
+    base = _run(model, prompt)
+    assert _run(model, prompt, make_policy("tidal", str(len(prompt) + 40))).tokens == base.tokens
+    sparse = _run(model, prompt, make_policy("tidal:layers=2+4", "8"))
+    assert sparse.new_tokens == 40  # runs, reads 8 cached tokens in layers 3 and 5; output may differ
+    assert default_selection_layers([False] * 32) == [2, 13]
+    assert default_selection_layers([False] * 30) == [2, 12]
+    gemma = [True] * 5 + [False] + [True] * 5 + [False] + [True] * 5 + [False]
+    assert default_selection_layers(gemma) == [5]
+
+
+def test_kivi_packing_and_error():
+    torch.manual_seed(0)
+    for bits in (2, 4):
+        codes = torch.randint(0, 1 << bits, (3, 5, 64), dtype=torch.uint8)
+        packed = pack(codes, bits)
+        assert packed.shape == (3, 5, 64 * bits // 8)
+        assert torch.equal(unpack(packed, bits), codes)
+        x = torch.randn(4, 32, 64)
+        c, lo, step = quantize(x, bits, dim=-2)
+        back = c.float() * step.float()[:, None] + lo.float()[:, None]
+        assert (back - x).abs().max() <= step.float().max() * 0.51 + 1e-3
+
+
+def test_kv_quant_bytes_under_35_percent_of_bfloat16():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=4096,
+                      eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    model = LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
+    prompt = _prompt(3000, seed=3)  # long enough that the full-precision window (32-63 tokens) is small
+    full = _run(model, prompt, new=8)
+    q4 = _run(model, prompt, make_policy("kv_quant"), new=8)
+    q2 = _run(model, prompt, make_policy("kv_quant:bits=2"), new=8)
+    assert q4.kv_bytes <= 0.35 * full.kv_bytes, (q4.kv_bytes, full.kv_bytes)
+    assert q2.kv_bytes < q4.kv_bytes
+
+
+def test_budget_and_policy_errors():
+    assert Budget.parse("0.25").for_length(1000) == 250
+    assert Budget.parse("512").for_length(1000) == 512
+    assert Budget.parse(0.1).ratio == 0.1
+    for bad in ("0", "1.5", "-3", "abc", ""):
+        with pytest.raises(SpeculumError):
+            Budget.parse(bad)
+    with pytest.raises(SpeculumError):
+        make_policy("nope")
+    with pytest.raises(SpeculumError):
+        make_policy("kv_quant:bits=3")
+    with pytest.raises(SpeculumError):
+        make_policy("tidal:oops")
+    assert make_policy("full") is None
+    assert set(POLICIES) == set(SPECS)
+
+
+def test_ruler_tasks_and_scoring():
+    from speculum.bench.ruler import TASKS, make_task, string_match_all
+
+    count = lambda text: len(text.split())
+    for task in TASKS:
+        a, b = make_task(task, 600, 0, count), make_task(task, 600, 0, count)
+        assert a == b  # fixed seeds
+        assert all(e in a.context for e in a.expected) or task == "common_words"
+        assert 450 <= count(a.context) <= 700
+    assert string_match_all("the numbers are 123 and 456", ["123", "456"]) == 1.0
+    assert string_match_all("only 123", ["123", "456"]) == 0.5
+
+
+@pytest.mark.slow
+def test_packaged_models_through_every_policy(smollm2_f32, gemma3_f32):
+    """Real weights, float32: with a covering budget every policy decodes exactly as without one,
+    SmolLM2 on a chat prompt and Gemma-3 on a prompt past its 512-token window."""
+    from speculum.prompts import encode_prompt
+
+    for (model, tok), text in [(smollm2_f32, "List five animals that live in the ocean and say one fact about each."),
+                               (gemma3_f32, "The old lighthouse keeper wrote in his log every night. " * 60)]:
+        ids = encode_prompt(tok, text)
+        base = _run(model, ids, new=24)
+        for spec in SPECS:
+            spec += ":residual=100000" if spec == "kv_quant" else ""
+            r = _run(model, ids, make_policy(spec, "100000"), new=24)
+            assert r.tokens == base.tokens, spec
