@@ -58,6 +58,23 @@ def test_covering_budget_is_exact(tiny, spec):
     assert _run(tiny, prompt, policy, query_start=30).tokens == base.tokens
 
 
+@pytest.mark.parametrize("spec", SPECS)
+def test_small_budget_under_speculation(tiny, spec):
+    """A lossy budget with tree speculation: runs to the end and holds less; where the policy's
+    state does not depend on how tokens are grouped into steps (snapkv selects once, at prefill),
+    tree speculation through the policy equals plain decoding through it."""
+    prompt = _prompt(60, seed=5)
+    base = _run(tiny, prompt)
+    policy = make_policy(spec, "12")
+    plain = _run(tiny, prompt, policy)
+    tree = _run(tiny, prompt, policy, OracleDrafter(base.tokens, TINY_VOCAB, shape="tree", seed=4))
+    assert plain.new_tokens == tree.new_tokens == 40
+    if spec in ("streaming", "h2o", "snapkv", "kv_quant"):
+        assert tree.kv_bytes < base.kv_bytes and plain.kv_bytes < base.kv_bytes
+    if spec == "snapkv":  # prefill-only selection: the same cache whatever the steps
+        assert tree.tokens == plain.tokens
+
+
 def test_layerwise_prefill_bit_identical(tiny):
     """Layer by layer or chunk by chunk through all layers: the same keys, values and logits."""
     runner = runner_for(tiny, "native")

@@ -4,7 +4,8 @@ For every length, every sample is run under every (policy, budget) in turn (``fu
 the methods see the machine in the same state. Per run it records the score
 (``string_match_all``), the most bytes the KV cache held, the process's peak resident memory
 during that run (``VmHWM`` after resetting it through ``/proc/self/clear_refs``; Linux only),
-prefill time and decode tokens per second.
+prefill time and decode tokens per second. Before each run freed memory is returned to the
+system (glibc keeps it otherwise), so each run's peak is its own.
 
 Two protocols: ``aware`` (the policy sees the whole prompt, question included, at prefill: how
 SnapKV's paper and decode-time selection work) and ``agnostic`` (the context is compressed
@@ -14,6 +15,8 @@ document).
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import statistics
 import time
@@ -45,13 +48,27 @@ class LongRecord:
     accuracy: float
     kv_bytes: int
     peak_rss_bytes: int | None
+    rss_start_bytes: int | None  # resident memory when the run began (after the peak was reset)
     prefill_s: float
     decode_tok_s: float
     output: str
 
 
+def return_freed_memory() -> None:
+    """Make freed memory leave the process, so that one run's leftovers do not count in the next
+    run's peak: glibc otherwise raises its mmap threshold after large frees (up to 32 MiB) and keeps
+    freed heap memory resident. Fixes the threshold at 128 KiB and trims the heap (glibc only)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: fixed, so no longer adjusted upwards
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def reset_peak_rss() -> bool:
     """Reset the kernel's peak-RSS mark of this process (Linux ``clear_refs``); False if unavailable."""
+    return_freed_memory()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -60,12 +77,12 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def peak_rss() -> int | None:
-    """``VmHWM`` of this process in bytes (None off Linux)."""
+def peak_rss(field: str = "VmHWM") -> int | None:
+    """``VmHWM`` (peak) or ``VmRSS`` (current) resident memory of this process in bytes (None off Linux)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -120,18 +137,21 @@ def run_longctx(model, tokenizer, lengths: list[int], tasks: list[str], policies
         ids, query_start = encode_task(tokenizer, t, chat)
         if len(ids) + t.max_new_tokens >= max_pos:
             raise SpeculumError(f"a {len(ids)}-token prompt does not fit the model's context ({max_pos})")
-        if not warm:  # one short run first: kernels and allocator warm, not timed
-            engines[configs[0]].generate(ids[-256:], 4)
+        if not warm:  # a short untimed run of every configuration first: kernels and code paths warm
+            for engine in engines.values():
+                engine.generate(ids[-300:], 4)
             warm = True
         for spec, budget in configs:
             engine = engines[spec, budget]
+            gc.collect()
             reset_peak_rss()
+            start = peak_rss("VmRSS")
             r = engine.generate(ids, t.max_new_tokens,
                                 query_start=query_start if protocol == "agnostic" else None)
             rss = peak_rss()
             decode_s = r.time_s - r.prefill_s
             records.append(LongRecord(spec, budget, length, task, seed, len(ids), string_match_all(r.text, t.expected),
-                                      r.kv_bytes, rss, round(r.prefill_s, 3),
+                                      r.kv_bytes, rss, start, round(r.prefill_s, 3),
                                       round(r.new_tokens / decode_s, 3) if decode_s > 0 else 0.0, r.text))
             bar.update(1)
     bar.close()
@@ -148,11 +168,14 @@ def summarize(records: list[LongRecord]) -> list[dict]:
     rows = []
     for (policy, budget, length, task), rs in groups.items():
         rss = [r.peak_rss_bytes for r in rs if r.peak_rss_bytes is not None]
+        rise = [r.peak_rss_bytes - r.rss_start_bytes for r in rs
+                if r.peak_rss_bytes is not None and r.rss_start_bytes is not None]
         rows.append({
             "policy": policy, "budget": budget, "length": length, "task": task, "samples": len(rs),
             "accuracy": round(100 * statistics.mean(r.accuracy for r in rs), 1),
             "kv_bytes": int(statistics.mean(r.kv_bytes for r in rs)),
             "peak_rss_bytes": max(rss) if rss else None,
+            "peak_rss_rise_bytes": max(rise) if rise else None,  # above the resident memory at the start
             "decode_tok_s": round(statistics.mean(r.decode_tok_s for r in rs), 2),
             "prefill_s": round(statistics.mean(r.prefill_s for r in rs), 2),
         })
@@ -169,16 +192,17 @@ def markdown(rows: list[dict]) -> str:
         full = next((r for r in here if r["policy"] == "full" and r["task"] == "all"), None)
         out.append(f"### {length} tokens\n")
         out.append("| policy | budget | " + " | ".join(tasks) + " | all | KV MiB | KV vs full | peak RSS MiB | "
-                   "decode tok/s | vs full |")
-        out.append("|---|---|" + "---:|" * (len(tasks) + 6))
+                   "peak rise MiB | decode tok/s | vs full | prefill s |")
+        out.append("|---|---|" + "---:|" * (len(tasks) + 8))
         for r in [r for r in here if r["task"] == "all"]:
             acc = {x["task"]: x["accuracy"] for x in here if (x["policy"], x["budget"]) == (r["policy"], r["budget"])}
             kv_ratio = f"{r['kv_bytes'] / full['kv_bytes']:.0%}" if full and full["kv_bytes"] else "-"
             speed = f"{r['decode_tok_s'] / full['decode_tok_s']:.2f}x" if full and full["decode_tok_s"] else "-"
             rss = f"{r['peak_rss_bytes'] / 2**20:.0f}" if r["peak_rss_bytes"] else "-"
+            rise = f"{r['peak_rss_rise_bytes'] / 2**20:.0f}" if r.get("peak_rss_rise_bytes") is not None else "-"
             out.append(f"| {r['policy']} | {r['budget']} | " + " | ".join(f"{acc.get(t, float('nan')):.0f}" for t in tasks)
-                       + f" | {r['accuracy']:.1f} | {r['kv_bytes'] / 2**20:.1f} | {kv_ratio} | {rss} | "
-                       f"{r['decode_tok_s']:.1f} | {speed} |")
+                       + f" | {r['accuracy']:.1f} | {r['kv_bytes'] / 2**20:.1f} | {kv_ratio} | {rss} | {rise} | "
+                       f"{r['decode_tok_s']:.1f} | {speed} | {r['prefill_s']:.1f} |")
         out.append("")
     return "\n".join(out)
 

@@ -67,7 +67,7 @@ class PolicyKVCache(PendingEntries):
     """Slots with positions, eviction by gather, optional per-slot scores (H2O).
 
     Attributes:
-        kv: ``[layers, 2, H_kv, C, d]`` (allocated by :meth:`allocate` once the prompt length is known).
+        kv: ``[layers, 2, H_kv, C, d]`` (sized by :meth:`reserve` once the prompt length is known).
         pos: ``[layers, H_kv, C]`` int64 position held by each slot.
         score: ``[layers, H_kv, C]`` float32 accumulated attention, when the policy keeps one.
         length: committed slots (the same count in every layer and head).
@@ -137,8 +137,8 @@ class PolicyKVCache(PendingEntries):
             self.pos[layer, :, :n] = torch.arange(n, device=self.device)
             return n
         m = idx.shape[1]
-        d = kv.shape[3]
-        self.kv[layer, :, :, :m] = kv.gather(2, idx[None, :, :, None].expand(2, -1, -1, d))
+        for h in range(kv.shape[1]):
+            torch.index_select(kv[:, h], 1, idx[h], out=self.kv[layer, :, h, :m])
         self.pos[layer, :, :m] = idx
         return m
 
