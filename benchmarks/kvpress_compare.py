@@ -57,7 +57,6 @@ def reset_peak() -> int:
     """As ``speculum longctx``: freed memory returned to the system (glibc), then the peak mark reset."""
     gc.collect()
     libc = ctypes.CDLL("libc.so.6")
-    libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD fixed at 128 KiB
     libc.malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")

@@ -56,11 +56,10 @@ class LongRecord:
 
 def return_freed_memory() -> None:
     """Make freed memory leave the process, so that one run's leftovers do not count in the next
-    run's peak: glibc otherwise raises its mmap threshold after large frees (up to 32 MiB) and keeps
-    freed heap memory resident. Fixes the threshold at 128 KiB and trims the heap (glibc only)."""
+    run's peak: glibc keeps freed heap memory resident (and raises its mmap threshold after large
+    frees, so more of it lands on the heap); ``malloc_trim`` hands every free page back (glibc only)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD: fixed, so no longer adjusted upwards
         libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass
