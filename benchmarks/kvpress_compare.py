@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="2048")
     ap.add_argument("--tasks", default="niah_single,niah_multikey,passkey")
     ap.add_argument("--samples", type=int, default=3)
+    ap.add_argument("--values", default="number", help="needle value kinds, as speculum longctx --values")
     ap.add_argument("--budget", type=float, default=0.25, help="fraction of the context kept")
     ap.add_argument("--presses", default="none,streaming,snapkv")
     ap.add_argument("--out", default="kvpress-out")
@@ -102,7 +103,8 @@ def main() -> None:
     for length in [int(x) for x in args.lengths.split(",")]:
         for task in args.tasks.split(","):
             for seed in range(args.samples):
-                t = ruler.make_task(task, min(length, max_pos - 128), seed, count)  # as speculum longctx
+                t = ruler.make_task(task, min(length, max_pos - 128), seed, count,
+                                    tuple(args.values.split(",")))  # as speculum longctx
                 if not warm:
                     pipe(t.context[-2000:], question="\n\n" + t.question, answer_prefix=t.answer_prefix,
                          max_new_tokens=4)

@@ -156,3 +156,40 @@ def test_bench_structured_reports_coverage_and_validity(tmp_path):
     for m in ("hf", "ar", "ngram"):
         assert res["methods"][m]["valid"] == 1.0, m
     assert "oneOf" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["longctx", "--policies", "full,nope"], "unknown KV policy"),
+    (["longctx", "--budget", "0"], "KV budget"),
+    (["longctx", "--tasks", "haystack"], "unknown task"),
+    (["longctx", "--lengths", "1k"], "--lengths"),
+    (["longctx", "--samples", "0"], "--samples"),
+    (["longctx", "--policies", "tidal:layers"], "key=value"),
+    (["generate", "--prompt", "hi", "--kv-policy", "quest:page=x"], "bad option"),
+])
+def test_longctx_errors(capsys, argv, needle):
+    assert needle in _err(capsys, argv)
+
+
+@pytest.mark.slow
+def test_kv_policy_needs_an_engine_method(capsys):
+    assert "no speculum KV policy" in _err(capsys, ["generate", "--prompt", "hi", "--method", "hf",
+                                                     "--kv-policy", "snapkv"])
+
+
+@pytest.mark.slow
+def test_longctx_writes_results(tmp_path, capsys):
+    out = tmp_path / "lc"
+    rc = main(["longctx", "--lengths", "512", "--tasks", "niah_single", "--samples", "1",
+               "--policies", "snapkv,full,tidal", "--budget", "0.25,64", "--out", str(out)])
+    assert rc == 0
+    rows = json.loads((out / "results.json").read_text())
+    fields = {"policy", "budget", "length", "task", "accuracy", "kv_bytes", "peak_rss_bytes", "decode_tok_s"}
+    assert all(fields <= set(r) for r in rows)
+    got = {(r["policy"], r["budget"]) for r in rows if r["task"] == "niah_single"}
+    assert got == {("full", "-"), ("snapkv", "0.25"), ("snapkv", "64"), ("tidal", "0.25"), ("tidal", "64")}
+    full = next(r for r in rows if r["policy"] == "full" and r["task"] == "all")
+    snap = next(r for r in rows if r["policy"] == "snapkv" and r["budget"] == "64" and r["task"] == "all")
+    assert snap["kv_bytes"] < 0.3 * full["kv_bytes"]
+    assert (out / "results.md").exists() and (out / "accuracy.png").exists()
+    assert "| snapkv | 64 |" in capsys.readouterr().out

@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated from niah_single, niah_multikey, niah_multivalue, niah_multiquery, "
                          "passkey, variable_tracking, common_words (default: %(default)s)")
     lc.add_argument("--samples", type=int, default=2, help="samples per task and length (default: %(default)s)")
+    lc.add_argument("--values", default="number",
+                    help="needle value kinds the samples cycle through: number, word, uuid (RULER's niah "
+                         "variants; default: %(default)s)")
     lc.add_argument("--protocol", default="aware", choices=["aware", "agnostic"],
                     help="when the policy compresses: with the question (aware) or before it (agnostic)")
     lc.add_argument("--out", default="longctx-out", help="output directory (default: %(default)s)")
@@ -415,6 +418,9 @@ def cmd_longctx(args) -> int:
         raise SpeculumError("--tasks, --policies and --budget must not be empty")
     if args.samples < 1:
         raise SpeculumError("--samples must be at least 1")
+    values = split(args.values)
+    if not values or any(v not in ("number", "word", "uuid") for v in values):
+        raise SpeculumError("--values takes number, word and/or uuid, comma-separated")
     for b in budgets:
         Budget.parse(b)
     for p in policies:
@@ -422,8 +428,10 @@ def cmd_longctx(args) -> int:
     if "full" in policies:  # the baseline runs first
         policies = ["full"] + [p for p in policies if p != "full"]
     model, tok = load(args.model, args.dtype, args.device)
-    records = run_longctx(model, tok, lengths, tasks, policies, budgets, args.samples, args.protocol, args.chat)
+    records = run_longctx(model, tok, lengths, tasks, policies, budgets, args.samples, args.protocol, args.chat,
+                          values=tuple(values))
     meta = {"command": "speculum " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "model": args.model,
+            "values": values,
             "dtype": args.dtype, "protocol": args.protocol, "threads": torch_threads()}
     rows = write_outputs(args.out, records, meta)
     print(markdown(rows))

@@ -155,15 +155,15 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
             dw = draft_model.get_output_embeddings().weight.shape[0]
             if tw != dw:
                 raise SpeculumError(f"draft model's logits are {dw} wide, the target's {tw}: not the same vocabulary")
+    kv_policy = options.pop("kv_policy", None)
+    if kv_policy is not None and name in HF_METHODS:
+        raise SpeculumError(f"method {name!r} runs transformers' generate, which takes no speculum KV policy")
     if name == "hf":
         return HFMethod(name, model, tokenizer)
     if name == "hf_pld":
         return HFMethod(name, model, tokenizer, prompt_lookup=options.get("prompt_lookup_num_tokens", 10))
     if name == "hf_assisted":
         return HFMethod(name, model, tokenizer, assistant=draft_model)
-    kv_policy = options.pop("kv_policy", None)
-    if kv_policy is not None and name in HF_METHODS:
-        raise SpeculumError(f"method {name!r} runs transformers' generate, which takes no speculum KV policy")
     max_tree = options.pop("max_tree", 64)
     sized = options.pop("sized", name in SIZED_METHODS)
     runner = runner or runner_for(model)

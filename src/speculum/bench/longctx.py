@@ -44,6 +44,7 @@ class LongRecord:
     length: int
     task: str
     seed: int
+    value_kind: str
     prompt_tokens: int
     accuracy: float
     kv_bytes: int
@@ -106,8 +107,8 @@ def encode_task(tokenizer, t: LongTask, chat: bool | None = None) -> tuple[list[
 
 def run_longctx(model, tokenizer, lengths: list[int], tasks: list[str], policies: list[str],
                 budgets: list[str], samples: int = 2, protocol: str = "aware", chat: bool | None = None,
-                progress: bool = True) -> list[LongRecord]:
-    """Run the suite; returns one record per (sample, policy, budget)."""
+                progress: bool = True, values: tuple[str, ...] = ("number",)) -> list[LongRecord]:
+    """Run the suite; returns one record per (sample, policy, budget). ``values``: needle value kinds."""
     if protocol not in PROTOCOLS:
         raise SpeculumError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
     runner = runner_for(model)
@@ -132,7 +133,7 @@ def run_longctx(model, tokenizer, lengths: list[int], tasks: list[str], policies
     bar = tqdm(total=len(work) * len(configs), desc="longctx", unit="run", disable=not progress)
     warm = False
     for length, task, seed in work:
-        t = make_task(task, min(length, max_pos - 128), seed, count)  # room for the answer at the model's limit
+        t = make_task(task, min(length, max_pos - 128), seed, count, values)  # room for the answer at the limit
         ids, query_start = encode_task(tokenizer, t, chat)
         if len(ids) + t.max_new_tokens >= max_pos:
             raise SpeculumError(f"a {len(ids)}-token prompt does not fit the model's context ({max_pos})")
@@ -149,7 +150,7 @@ def run_longctx(model, tokenizer, lengths: list[int], tasks: list[str], policies
                                 query_start=query_start if protocol == "agnostic" else None)
             rss = peak_rss()
             decode_s = r.time_s - r.prefill_s
-            records.append(LongRecord(spec, budget, length, task, seed, len(ids), string_match_all(r.text, t.expected),
+            records.append(LongRecord(spec, budget, length, task, seed, t.meta["kind"], len(ids), string_match_all(r.text, t.expected),
                                       r.kv_bytes, rss, start, round(r.prefill_s, 3),
                                       round(r.new_tokens / decode_s, 3) if decode_s > 0 else 0.0, r.text))
             bar.update(1)

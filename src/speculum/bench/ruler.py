@@ -3,7 +3,7 @@
 Every haystack is filler text built here (no download). Tasks, after RULER (Hsieh et al., 2024):
 
 - ``niah_single``: one needle "One of the special magic {kind}s for {key} is: {value}." in filler;
-  ask for it. Value kinds rotate over numbers (7 digits), words and UUIDs.
+  ask for it. Values are numbers (7 digits), words or UUIDs (chosen per run; numbers by default).
 - ``niah_multikey``: four needles with different keys; ask for one of them.
 - ``niah_multivalue``: four values for the same key; ask for all of them.
 - ``niah_multiquery``: four needles; ask for two keys' values.
@@ -88,12 +88,18 @@ def _insert(filler: list[str], needles: list[str], rng: random.Random, depths: l
     return " ".join(out)
 
 
-def make_task(task: str, length: int, seed: int, count_tokens) -> LongTask:
-    """Build one sample of about ``length`` prompt tokens; ``count_tokens(text) -> int`` measures text."""
+def make_task(task: str, length: int, seed: int, count_tokens, values: tuple[str, ...] = ("number",)) -> LongTask:
+    """Build one sample of about ``length`` prompt tokens; ``count_tokens(text) -> int`` measures text.
+
+    ``values``: the needle value kinds (``number``, ``word``, ``uuid``) that samples cycle through
+    by seed (RULER's niah variants use numbers, words or UUIDs); passkey and variable tracking
+    always use numbers."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
-    rng = random.Random(f"{task}-{length}-{seed}")
-    kind = VALUE_KINDS[seed % len(VALUE_KINDS)]
+    if not values or any(v not in VALUE_KINDS for v in values):
+        raise ValueError(f"value kinds are {', '.join(VALUE_KINDS)}")
+    kind = values[seed % len(values)]
+    rng = random.Random(f"{task}-{length}-{seed}-{kind}")
     max_new = 48 if kind == "uuid" else 32
     keys = rng.sample(KEYS, 4)
     if task == "passkey":
