@@ -15,6 +15,8 @@ import torch
 from ..runner import grouped, visibility
 from .scoring import attention_probs
 
+SCORE_ROWS = 32  # prompt queries per slice when accumulating attention (H2O)
+
 
 @torch.inference_mode()
 def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, window_rows: int, store) -> torch.Tensor:
@@ -65,8 +67,11 @@ def _chunk_attention(decoder, buf, a, b, mask, acc, tail, w0, _i, _layer, q, k, 
     ``w0 ..`` in ``tail`` when those are given."""
     buf[0, :, a:b] = k.transpose(0, 1)
     buf[1, :, a:b] = v.transpose(0, 1)
-    if acc is not None:
-        acc[:, :b] += attention_probs(decoder, q, buf[0, :, :b], mask).sum(1)
+    if acc is not None:  # in slices of query rows: the float32 weights of a whole chunk would be g*256*b
+        m, g = q.shape[0], decoder.shape.group
+        for r in range(0, m, SCORE_ROWS):
+            rows = None if mask is None else mask.view(g, m, -1)[:, r:r + SCORE_ROWS].reshape(-1, mask.shape[-1])
+            acc[:, :b] += attention_probs(decoder, q[r:r + SCORE_ROWS], buf[0, :, :b], rows).sum(1)
     if tail is not None:
         tail.append(q[max(0, w0 - a):])
     return decoder.attend(q, buf[0, :, :b], buf[1, :, :b], mask)
