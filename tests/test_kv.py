@@ -132,8 +132,8 @@ def test_tidal_topk_at_context_is_full_attention_and_smaller_k_is_sparse():
     assert _run(model, prompt, make_policy("tidal", str(len(prompt) + 40))).tokens == base.tokens
     sparse = _run(model, prompt, make_policy("tidal:layers=2+4", "8"))
     assert sparse.new_tokens == 40  # runs, reads 8 cached tokens in layers 3 and 5; output may differ
-    assert default_selection_layers([False] * 32) == [2, 13]
-    assert default_selection_layers([False] * 30) == [2, 12]
+    assert default_selection_layers([False] * 32) == [6, 15]
+    assert default_selection_layers([False] * 30) == [6, 14]
     gemma = [True] * 5 + [False] + [True] * 5 + [False] + [True] * 5 + [False]
     assert default_selection_layers(gemma) == [5]
 

@@ -207,26 +207,36 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def budget_fraction(row: dict, full_bytes: int | None) -> float:
+    """A row's KV budget as a fraction of the context: tokens kept (eviction) or read per step
+    (tidal, quest); bytes held against the full cache for budget-free policies (kv_quant, full)."""
+    budget = row["budget"]
+    if budget == "-":
+        return row["kv_bytes"] / full_bytes if full_bytes else 1.0
+    x = float(budget)
+    return x if x <= 1 else min(1.0, x / row["length"])
+
+
 def accuracy_plot(rows: list[dict], path: str | Path) -> None:
-    """Accuracy (all tasks) against KV bytes held, one line per policy, one panel per length."""
+    """Accuracy (all tasks) against the KV budget, one line per policy, one panel per length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     lengths = sorted({r["length"] for r in rows})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(4.5 * len(lengths), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(4.8 * len(lengths), 3.8), squeeze=False)
     for ax, length in zip(axes[0], lengths):
         here = [r for r in rows if r["length"] == length and r["task"] == "all"]
         full = next((r for r in here if r["policy"] == "full"), None)
+        full_bytes = full["kv_bytes"] if full else None
         for policy in sorted({r["policy"] for r in here}):
-            pts = sorted((r["kv_bytes"] / 2**20, r["accuracy"]) for r in here if r["policy"] == policy)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
-        if full:
-            ax.axhline(full["accuracy"], color="grey", linestyle=":", linewidth=1)
+            pts = sorted((budget_fraction(r, full_bytes), r["accuracy"]) for r in here if r["policy"] == policy)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy, alpha=0.8)
         ax.set_title(f"{length} tokens")
-        ax.set_xlabel("KV cache held (MiB)")
+        ax.set_xlabel("KV budget (fraction of context kept, read, or of full bytes)")
         ax.set_ylabel("accuracy (%)")
+        ax.set_ylim(-5, 105)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()

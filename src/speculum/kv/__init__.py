@@ -11,7 +11,7 @@
 =============  ====================================================================================
 
 A policy is named on the command line as ``name`` or ``name:option=value,...`` (for example
-``tidal:layers=2+12``, ``kv_quant:bits=2``, ``quest:page=32``); the budget (tokens or a ratio of
+``tidal:layers=6+14``, ``kv_quant:bits=2``, ``quest:page=32``); the budget (tokens or a ratio of
 the prompt) is given separately. See :func:`make_policy`.
 """
 
