@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  snapkv     SnapKV: observation-window votes, pooled               (window=32, kernel=15)\n"
                "  kv_quant   KIVI: 2/4-bit keys per channel, values per token       (bits=4, group=32, "
                "residual=32)\n"
-               "  tidal      TidalDecode: top-k tokens from selection layers        (layers=6+14, kernel=1)\n"
+               "  tidal      TidalDecode: top-k tokens from selection layers        (layers=6+14, kernel=7)\n"
                "  quest      Quest: top pages by key-bound scores                   (page=16, dense=2)\n"
                "budgets: tokens (1024) or a ratio of the prompt (0.25): tokens kept (eviction) or read per "
                "step (tidal, quest); kv_quant ignores them.\n"
