@@ -53,6 +53,7 @@ class LongRecord:
     prefill_s: float
     decode_tok_s: float
     output: str
+    time_s: float = 0.0  # prefill + decode, wall
 
 
 def return_freed_memory() -> None:
@@ -152,7 +153,8 @@ def run_longctx(model, tokenizer, lengths: list[int], tasks: list[str], policies
             decode_s = r.time_s - r.prefill_s
             records.append(LongRecord(spec, budget, length, task, seed, t.meta["kind"], len(ids), string_match_all(r.text, t.expected),
                                       r.kv_bytes, rss, start, round(r.prefill_s, 3),
-                                      round(r.new_tokens / decode_s, 3) if decode_s > 0 else 0.0, r.text))
+                                      round(r.new_tokens / decode_s, 3) if decode_s > 0 else 0.0, r.text,
+                                      round(r.time_s, 3)))
             bar.update(1)
     bar.close()
     return records
@@ -178,6 +180,7 @@ def summarize(records: list[LongRecord]) -> list[dict]:
             "peak_rss_rise_bytes": max(rise) if rise else None,  # above the resident memory at the start
             "decode_tok_s": round(statistics.mean(r.decode_tok_s for r in rs), 2),
             "prefill_s": round(statistics.mean(r.prefill_s for r in rs), 2),
+            "time_s": round(statistics.mean(r.time_s for r in rs), 2),
         })
     return rows
 
