@@ -16,7 +16,7 @@ before each run, minus ``VmRSS`` then) and wall time.
 Set-up and run (from the repository root):
 
     python3 -m venv .venv-kvpress
-    .venv-kvpress/bin/pip install torch==2.13.0 kvpress==0.5.5 gguf
+    .venv-kvpress/bin/pip install torch==2.13.0 kvpress==0.5.5
     DIR=$(.venv/bin/python -c "import speculum.models as m; print(m._dequantized_dir(m.Path(m.resolve('default')[1])))")
     .venv-kvpress/bin/python benchmarks/kvpress_compare.py --model-dir $DIR --lengths 2048 --samples 3 \\
         --out docs/longctx-kvpress
