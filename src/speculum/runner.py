@@ -76,11 +76,12 @@ def folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 def grouped(mask: torch.Tensor | None, group: int, dtype: torch.dtype) -> torch.Tensor | None:
     """``[n, L]`` bool (True = visible) -> ``[g*n, L]`` additive mask (0 / -inf) in ``dtype``, its rows
-    repeated for the ``g`` query heads that share a KV head (the layout of :func:`folded_attention`)."""
+    repeated for the ``g`` query heads that share a KV head (the layout of :func:`folded_attention`).
+    A per-KV-head mask ``[H_kv, n, L]`` becomes ``[H_kv, g*n, L]`` the same way."""
     if mask is None:
         return None
     add = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return add.repeat(group, 1)
+    return add.repeat(*([1] * (mask.dim() - 2)), group, 1)
 
 
 def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -151,9 +152,11 @@ def layer_types(config) -> list[str]:
     return ["full_attention"] * n
 
 
-def visibility(length: int, positions: torch.Tensor, new_mask: torch.Tensor | None, window: int | None):
+def visibility(length: int, positions: torch.Tensor, new_mask: torch.Tensor | None, window: int | None,
+               start: int = 0):
     """Which keys ``n`` new tokens see after ``length`` cached ones: ``(full, sliding)``, each a
-    ``[n, length + n]`` bool mask (True = visible) or None (everything visible).
+    ``[n, length - start + n]`` bool mask (True = visible) over slots ``start ..`` or None
+    (everything visible).
 
     ``positions [n]`` of the new tokens; ``new_mask [n, n]`` among them (None = causal). On
     sliding-window layers keys more than ``window - 1`` positions behind the query are hidden
@@ -165,12 +168,13 @@ def visibility(length: int, positions: torch.Tensor, new_mask: torch.Tensor | No
         new_mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
     full = None
     if new_mask is not None:
-        full = torch.cat([torch.ones(n, length, dtype=torch.bool, device=dev), new_mask.to(dev)], dim=1)
+        full = torch.cat([torch.ones(n, length - start, dtype=torch.bool, device=dev), new_mask.to(dev)], dim=1)
     sliding = full
-    if window is not None and int(positions.max()) - window >= 0:
-        key_pos = torch.cat([torch.arange(length, device=dev), positions])
+    if window is not None and int(positions.max()) - window >= start:
+        key_pos = torch.cat([torch.arange(start, length, device=dev), positions])
         in_window = key_pos[None, :] > positions[:, None] - window  # [n, L]
-        sliding = in_window if full is None else (full & in_window)
+        if not bool(in_window.all()):
+            sliding = in_window if full is None else (full & in_window)
     return full, sliding
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache import PendingEntries
+from ..runner import grouped, visibility
 
 
 @dataclass
@@ -34,15 +35,11 @@ class Step:
         return self.positions.shape[0]
 
 
-def _new_visibility(step: Step, cached: int) -> torch.Tensor | None:
-    """``[n, cached + n]`` bool: every cached key, and the tree (or causal) mask among the new
-    tokens; None for a single new token (everything visible)."""
-    n = step.n
-    if n == 1:
-        return None
-    dev = step.positions.device
-    new = step.new_mask if step.new_mask is not None else torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-    return torch.cat([torch.ones(n, cached, dtype=torch.bool, device=dev), new], dim=1)
+def sliding_start(step: Step, sliding: bool) -> int:
+    """First position a sliding layer can still see for this step's queries (0 for other layers)."""
+    if not sliding or step.window is None:
+        return 0
+    return max(0, int(step.positions.min()) - step.window + 1)
 
 
 def contiguous_mask(step: Step, length: int, start: int, sliding: bool, group: int,
@@ -50,17 +47,8 @@ def contiguous_mask(step: Step, length: int, start: int, sliding: bool, group: i
     """Additive mask ``[g*n, length - start + n]`` over slots ``start ..`` of a cache whose slot ``c``
     holds position ``c`` (the new tokens follow at ``length``), or None when every key is visible.
     Sliding layers hide keys ``window`` or more positions behind the query (transformers' rule)."""
-    vis = _new_visibility(step, length - start)
-    if sliding and step.window is not None:
-        dev = step.positions.device
-        key_pos = torch.cat([torch.arange(start, length, device=dev), step.positions])
-        in_window = key_pos[None, :] > step.positions[:, None] - step.window  # [n, L]
-        if not bool(in_window.all()):
-            vis = in_window if vis is None else vis & in_window
-    if vis is None:
-        return None
-    add = torch.zeros(vis.shape, dtype=dtype, device=vis.device).masked_fill_(~vis, float("-inf"))
-    return add.repeat(group, 1)
+    window = step.window if sliding else None
+    return grouped(visibility(length, step.positions, step.new_mask, window, start)[1], group, dtype)
 
 
 class PolicyKVCache(PendingEntries):
@@ -202,9 +190,7 @@ class PolicyKVCache(PendingEntries):
 
     def window_start(self, sliding: bool, step: Step) -> int:
         """First slot a sliding layer needs (0 elsewhere, or once slots no longer equal positions)."""
-        if not sliding or step.window is None or not self.contiguous:
-            return 0
-        return max(0, int(step.positions.min()) - step.window + 1)
+        return sliding_start(step, sliding) if self.contiguous else 0
 
     def mask(self, layer: int, sliding: bool, step: Step, start: int = 0) -> torch.Tensor | None:
         """Additive mask over slots ``start .. length+n-1`` for the folded query rows: ``[g*n, L]``
@@ -213,14 +199,13 @@ class PolicyKVCache(PendingEntries):
             return contiguous_mask(step, self.length, start, sliding and self.contiguous, self.shape.group,
                                    self.dtype)
         n, a = step.n, self.length
-        vis = _new_visibility(step, a - start)
+        vis = visibility(a, step.positions, step.new_mask, None, start)[0]  # [n, L] or None
         key_pos = self.pos[layer, :, start:a + n]  # [H_kv, L]
         in_window = key_pos[:, None, :] > step.positions[None, :, None] - step.window  # [H_kv, n, L]
         vis = in_window if vis is None else vis & in_window
         if n == 1 and bool(vis.all()):
             return None
-        add = torch.zeros(vis.shape, dtype=self.dtype, device=self.device).masked_fill_(~vis, float("-inf"))
-        return add.repeat(1, self.shape.group, 1)
+        return grouped(vis, self.shape.group, self.dtype)
 
     def attend_all(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    step: Step) -> torch.Tensor:
@@ -240,9 +225,5 @@ class PolicyKVCache(PendingEntries):
         c = block.shape[2] - n
         block[0, :, c:] = k.transpose(0, 1)
         block[1, :, c:] = v.transpose(0, 1)
-        vis = _new_visibility(step, c)
-        mask = None
-        if vis is not None:
-            add = torch.zeros(vis.shape, dtype=self.dtype, device=self.device).masked_fill_(~vis, float("-inf"))
-            mask = add.repeat(self.shape.group, 1)
+        mask = grouped(visibility(c, step.positions, step.new_mask, None)[0], self.shape.group, self.dtype)
         return step.decoder.attend(q, block[0], block[1], mask)

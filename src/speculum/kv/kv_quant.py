@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import SpeculumError
 from .base import KVPolicy
-from .cache import Step, contiguous_mask
+from .cache import Step, contiguous_mask, sliding_start
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -165,10 +166,7 @@ class QuantKVCache:
         n = k.shape[0]
         self.resid[layer, 0, :, self.r:self.r + n] = k.transpose(0, 1)
         self.resid[layer, 1, :, self.r:self.r + n] = v.transpose(0, 1)
-        start = 0
-        if sliding and step.window is not None:
-            start = max(0, int(step.positions.min()) - step.window + 1)
-        start = min(start, self.tq) // self.group * self.group
+        start = min(sliding_start(step, sliding), self.tq) // self.group * self.group
         rk, rv = self.resid[layer, 0, :, : self.r + n], self.resid[layer, 1, :, : self.r + n]
         if start < self.tq:
             dk, dv = self.dequantized(layer, start)
@@ -186,8 +184,6 @@ class KVQuantPolicy(KVPolicy):
         self.budget = None
         self.bits, self.group, self.residual = int(bits), int(group), int(residual)
         if self.bits not in (2, 4):
-            from ..errors import SpeculumError
-
             raise SpeculumError(f"kv_quant takes 2 or 4 bits, got {bits}")
 
     def __repr__(self) -> str:
