@@ -189,6 +189,33 @@ def test_runner_selection():
         use_runner(llama, "fast")
 
 
+@pytest.mark.parametrize("kind,dtype", [("llama", torch.float32), ("gemma3", torch.float32),
+                                        ("llama", torch.bfloat16)])
+def test_release_model_weights(kind, dtype):
+    """Dropping transformers' copies of the layer weights changes no output; the hf paths then refuse."""
+    from speculum.methods import build_method
+    from speculum.runner import packed_linear, release_model_weights
+
+    model = _tiny(kind, seed=7).to(dtype)
+    prompt = list(range(3, 3 + 3 * WINDOW))
+    native = runner_for(model, "native")
+    before = Engine(native, AutoregressiveDrafter()).generate(prompt, 24).tokens
+    linears = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+    total = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    kept = [m for layer in model.model.layers for m in (layer.self_attn.o_proj, layer.mlp.down_proj)]
+    shared = sum(m.weight.numel() * m.weight.element_size() for m in kept)
+    packed = packed_linear(linears[0].weight) is not None
+    freed = release_model_weights(model)
+    # unfused float32 keeps o_proj and down_proj in place (shared); packed bfloat16 copies every linear
+    assert freed == (total if packed else total - shared)
+    assert all(m.weight.device.type == "meta" for m in linears)
+    assert Engine(runner_for(model), AutoregressiveDrafter()).generate(prompt, 24).tokens == before
+    with pytest.raises(SpeculumError, match="released"):
+        runner_for(model, "hf")
+    with pytest.raises(SpeculumError, match="released"):
+        build_method("hf", model, None)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_cuda_graphs_match_hf_runner(kind):

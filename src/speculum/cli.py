@@ -403,6 +403,8 @@ def cmd_longctx(args) -> int:
     from .bench.ruler import TASKS
     from .kv import Budget, make_policy
     from .models import load
+    from .native import NativeRunner
+    from .runner import release_model_weights, runner_for
 
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]
     try:
@@ -428,6 +430,8 @@ def cmd_longctx(args) -> int:
     if "full" in policies:  # the baseline runs first
         policies = ["full"] + [p for p in policies if p != "full"]
     model, tok = load(args.model, args.dtype, args.device)
+    if isinstance(runner_for(model), NativeRunner):  # the suite runs nothing else: drop transformers' copies
+        release_model_weights(model)
     records = run_longctx(model, tok, lengths, tasks, policies, budgets, args.samples, args.protocol, args.chat,
                           values=tuple(values))
     meta = {"command": "speculum " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "model": args.model,
@@ -449,7 +453,8 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from .models import load
-    from .runner import use_runner
+    from .native import NativeRunner
+    from .runner import release_model_weights, runner_for, use_runner
     from .server import ServerState, create_app
     from .server.app import SERVABLE_METHODS
 
@@ -461,6 +466,8 @@ def cmd_serve(args) -> int:
         raise SpeculumError("--port must be in 1..65535")
     model, tok = load(args.model, args.dtype, args.device)
     use_runner(model, args.runner)
+    if isinstance(runner_for(model), NativeRunner):  # the server runs only engine methods: drop transformers' copies
+        release_model_weights(model)
     state = ServerState(model, tok, args.served_model_name or args.model, args.method, args.max_queue,
                         args.max_tree)
     print(f"speculum: serving {state.model_name!r} ({args.method}) on http://{args.host}:{args.port}/v1",

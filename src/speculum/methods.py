@@ -35,7 +35,7 @@ from .drafters.recycling import RecyclingDrafter
 from .drafters.suffix import SuffixDrafter
 from .engine import Engine, GenerationResult, cut_at_stop, default_eos_ids
 from .errors import SpeculumError
-from .runner import HFRunner, runner_for
+from .runner import HFRunner, runner_for, weights_released
 from .sampling import SamplingParams
 from .tree_sizing import TreeSizer
 
@@ -158,6 +158,9 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
     kv_policy = options.pop("kv_policy", None)
     if kv_policy is not None and name in HF_METHODS:
         raise SpeculumError(f"method {name!r} runs transformers' generate, which takes no speculum KV policy")
+    if name in HF_METHODS and weights_released(model):
+        raise SpeculumError(f"method {name!r} runs transformers' generate, but this model's layer weights were "
+                            "released to the native runner; load the model again")
     if name == "hf":
         return HFMethod(name, model, tokenizer)
     if name == "hf_pld":

@@ -322,7 +322,57 @@ def runner_for(model: torch.nn.Module, kind: str | None = None):
         kind = "hf" if unsupported_reason(model.config) else "native"
     elif kind == "native" and (reason := unsupported_reason(model.config)):
         raise SpeculumError(f"the native runner does not support {reason}; use --runner hf")
+    if kind == "hf" and model.__dict__.get(_RELEASED):
+        raise SpeculumError("this model's layer weights were released to its native runner "
+                            "(release_model_weights); load the model again to run it with transformers")
     runners = model.__dict__.setdefault("_speculum_runners", {})
     if kind not in runners:
         runners[kind] = NativeRunner(model) if kind == "native" else HFRunner(model)
     return runners[kind]
+
+
+_RELEASED = "_speculum_weights_released"
+
+
+def weights_released(model: torch.nn.Module) -> bool:
+    """Whether :func:`release_model_weights` has run on ``model`` (then only the native runner can run it)."""
+    return bool(model.__dict__.get(_RELEASED))
+
+
+@torch.no_grad()
+def release_model_weights(model: torch.nn.Module) -> int:
+    """Free the transformers model's decoder-layer linear weights that its native runner holds copies of.
+
+    The native runner re-lays the projections out (fused QKV and gate/up, oneDNN-packed in
+    bfloat16 on the CPU), so after it is built the process holds every linear weight twice: about
+    0.2 GB for SmolLM2-135M in bfloat16. This replaces each layer's ``nn.Linear`` weights (and biases)
+    with meta tensors of the same shape. Afterwards the model runs only through
+    ``runner_for(model, "native")``: the hf runner and transformers' ``generate`` (the ``hf``
+    methods) refuse it with a :class:`~speculum.errors.SpeculumError`. Embeddings, norms and the
+    output head stay (the native decoder reads the embedding table in place).
+
+    Raises :class:`~speculum.errors.SpeculumError` if the native runner cannot run the model.
+    Returns the bytes no longer referenced by anything (weights the native decoder shares, such as
+    the unfused float32 ``o_proj``, stay alive through it and are not counted).
+    """
+    runner = runner_for(model, "native")
+    held = set()
+    for layer in runner.decoder.layers:
+        for part in vars(layer).values():
+            for t in (getattr(part, "weight", None), getattr(part, "bias", None)):
+                if isinstance(t, torch.Tensor):
+                    held.add(t.untyped_storage().data_ptr())
+    freed = 0
+    for hf_layer in model.model.layers:
+        for module in hf_layer.modules():
+            if not isinstance(module, torch.nn.Linear) or module.weight.device.type == "meta":
+                continue
+            for name in ("weight", "bias"):
+                t = getattr(module, name)
+                if t is None:
+                    continue
+                if t.untyped_storage().data_ptr() not in held:
+                    freed += t.numel() * t.element_size()
+                setattr(module, name, torch.nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=False))
+    model.__dict__[_RELEASED] = True
+    return freed
