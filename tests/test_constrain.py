@@ -100,6 +100,48 @@ def test_constrained_greedy_lossless_every_drafter(tiny_wide, smol_tokenizer, sp
         assert method.run(prompt, 40, grammar=grammar).tokens == ref, f"{name} differs under {spec.kind}"
 
 
+LIST_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}},
+                                              "count": {"type": "integer"}}, "required": ["notes", "count"]}
+
+
+def test_budget_closer_ends_valid_and_same_for_every_method(tiny_wide, smol_tokenizer):
+    """With ``close_reserve`` an output the budget would cut ends with the grammar's completion: valid
+    JSON, finish reason ``closed``, token-identical for plain decoding by hand, tree speculation,
+    ngram and transformers' generate with the grammar processor (float32)."""
+    n, reserve = 48, 24
+    prompt = encode_prompt(smol_tokenizer, "List some notes.")
+    grammar = Grammar(ConstraintSpec.json_schema(LIST_SCHEMA), smol_tokenizer, 49152, [EOS], close_reserve=reserve)
+    m, ids, ref = grammar.matcher(), list(prompt), []
+    with torch.no_grad():
+        while len(ref) < n:
+            if n - len(ref) <= reserve and (path := m.closing_due(n - len(ref))) is not None:
+                ref += path
+                break
+            logits = tiny_wide(torch.tensor([ids])).logits[0, -1:]
+            tok = int(mask_logits(logits, m.allowed(DraftTree())).argmax())
+            ref.append(tok)
+            assert tok != EOS, "the random model ended by itself: pick a prompt that runs past the budget"
+            m.commit([tok])
+            ids.append(tok)
+    assert ref[-1] == EOS and len(ref) <= n
+    text = smol_tokenizer.decode(ref[:-1])
+    jsonschema.validate(json.loads(text), LIST_SCHEMA)
+    runner = HFRunner(tiny_wide)
+    for drafter in (AutoregressiveDrafter(), OracleDrafter(prompt + ref, 49152, shape="tree", seed=3)):
+        out = Engine(runner, drafter, smol_tokenizer, eos_token_ids=[EOS]).generate(prompt, n, grammar=grammar)
+        assert out.tokens == ref and out.finish_reason == "closed", drafter.name
+    method = build_method("ngram", tiny_wide, smol_tokenizer, runner=runner)
+    method.engine.eos_ids = {EOS}
+    assert method.run(prompt, n, grammar=grammar).tokens == ref
+    hf = build_method("hf", tiny_wide, smol_tokenizer)
+    hf.eos_ids = [EOS]
+    out = hf.run(prompt, n, grammar=grammar)
+    assert out.tokens == ref and out.finish_reason == "closed"
+    without = Grammar(ConstraintSpec.json_schema(LIST_SCHEMA), smol_tokenizer, 49152, [EOS])
+    assert Engine(runner, AutoregressiveDrafter(), smol_tokenizer,
+                  eos_token_ids=[EOS]).generate(prompt, n, grammar=without).finish_reason == "length"
+
+
 def test_oracle_drafts_are_pruned_and_forced_tokens_jump(tiny_wide, smol_tokenizer):
     """Illegal drafted tokens never reach the verifier, and forced JSON keys are drafted for free."""
     runner = HFRunner(tiny_wide)

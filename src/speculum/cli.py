@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSONSchemaBench-format JSONL ({id, dataset, schema} per line) for --workload structured")
     b.add_argument("--n-schemas", type=int, default=30,
                    help="schemas to generate for (of those that compile; default: %(default)s)")
+    b.add_argument("--close-reserve", type=int, default=0,
+                   help="structured workload: the budget closer (0: off). In the last N tokens of the budget, an "
+                        "output the budget would cut ends with the grammar's shortest completion instead, "
+                        "finish reason 'closed' (default: %(default)s)")
     b.add_argument("--rounds", type=int, default=3, help="rounds of the repeated workload (default: %(default)s)")
     _add_model_args(b)
 
@@ -328,6 +332,8 @@ def _bench_structured(args, methods: list[str]) -> int:
         raise SpeculumError("--n-schemas must be at least 1")
     if args.temperature != 0:
         raise SpeculumError("the structured benchmark is greedy: leave --temperature at 0")
+    if not 0 <= args.close_reserve < args.max_new_tokens:
+        raise SpeculumError("--close-reserve must be between 0 and --max-new-tokens")
     bad = [m for m in methods if m in ("hf_pld", "hf_assisted", "draft_model")]
     if bad:
         raise SpeculumError(f"the structured benchmark runs hf and speculum's engine methods, not {', '.join(bad)}")
@@ -335,11 +341,13 @@ def _bench_structured(args, methods: list[str]) -> int:
     width = model.get_output_embeddings().weight.shape[0]
     cov = coverage(cases, tok, width, default_eos_ids(model, tok))
     used = select(cases, cov, args.n_schemas, tok, runner_for(model).max_positions, args.max_new_tokens, args.chat)
-    records = run_structured(model, tok, used, methods, args.max_new_tokens, args.chat, not args.no_progress)
+    records = run_structured(model, tok, used, methods, args.max_new_tokens, args.chat, not args.no_progress,
+                             close_reserve=args.close_reserve)
     summary = summarize_structured(records, methods)
     device = next(model.parameters()).device
     settings = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    meta = {**bench_meta(model, args.dtype, device, settings), "max_new_tokens": args.max_new_tokens}
+    meta = {**bench_meta(model, args.dtype, device, settings), "max_new_tokens": args.max_new_tokens,
+            "close_reserve": args.close_reserve}
     out = write_structured(args.out, summary, records, cov, used, meta)
     print(markdown(summary, cov, used, meta))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'per_schema.jsonl'}")

@@ -15,6 +15,8 @@ constrained distribution: greedy output equals plain constrained decoding token 
 
 Stops: an EOS token, ``max_new_tokens``, a stop string or the model's context length. A stop
 inside an accepted draft ends generation exactly there: later accepted tokens are discarded.
+A grammar compiled with ``close_reserve`` ends an output the budget would cut with the grammar's
+shortest completion instead (finish reason ``"closed"``; see :class:`~speculum.constrain.Grammar`).
 """
 
 from __future__ import annotations
@@ -220,9 +222,28 @@ class Engine:
         generated: list[int] = []
         steps: list[StepStats] = []
         reason = None
+        closing = matcher is not None and grammar.close_reserve > 0
         while reason is None:
             t_a = time.perf_counter()
             room = max(min(self.max_tree, max_new_tokens - len(generated) - 1, max_len - len(tokens) - 1), 0)
+            if closing:  # a step may not jump into the closer's zone: every position there is checked
+                room = min(room, max(max_new_tokens - len(generated) - grammar.close_reserve - 1, 0))
+            if closing and max_new_tokens - len(generated) <= grammar.close_reserve:
+                # the budget closer's zone: one token per step, each position checked (see Grammar)
+                room = 0
+                path = matcher.closing_due(min(max_new_tokens - len(generated), max_len - len(tokens)))
+                if path is not None:
+                    before = len(generated)
+                    generated.extend(path)
+                    keep, reason = stops.check(generated, before)
+                    reason = "closed" if reason == "eos" else reason or "length"
+                    del generated[keep:]
+                    new = generated[before:]
+                    tokens.extend(new)
+                    matcher.commit(new)
+                    if new:
+                        yield new
+                    break
             t_m = time.perf_counter()
             forced = matcher.forced(room) if matcher is not None else []
             mask_s = time.perf_counter() - t_m

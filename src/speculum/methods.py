@@ -109,7 +109,8 @@ class HFMethod:
 
             from .constrain.hf_processor import GrammarLogitsProcessor
 
-            kwargs["logits_processor"] = LogitsProcessorList([GrammarLogitsProcessor(grammar, len(prompt_ids))])
+            processor = GrammarLogitsProcessor(grammar, len(prompt_ids), max_new_tokens)
+            kwargs["logits_processor"] = LogitsProcessorList([processor])
         if seed is not None:
             torch.manual_seed(seed)
         device = next(self.model.parameters()).device
@@ -125,6 +126,8 @@ class HFMethod:
             hook.remove()
         new = out[0, ids.shape[1]:].tolist()
         reason = "eos" if new and new[-1] in self.eos_ids else "length"
+        if grammar is not None and processor.closed and reason == "eos":
+            reason = "closed"
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         if stop and cut_at_stop(text, stop) != text:
             reason = "stop"

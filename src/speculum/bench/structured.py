@@ -9,8 +9,10 @@ For each schema and method (in an order rotating from schema to schema, after a 
 method runs twice: constrained by the schema (OpenAI's ``strict`` mode: objects take no keys
 beyond those they declare) and unconstrained. Reported per method:
 
-- ``valid``: constrained outputs that ended by themselves and validate against the *original*
-  schema with ``jsonschema`` (``valid_unconstrained`` for comparison);
+- ``valid``: constrained outputs that ended by themselves (or, with ``close_reserve``, were ended by
+  the grammar's budget closer: ``closed``) and validate against the *original* schema with
+  ``jsonschema`` (``valid_unconstrained`` for comparison);
+- ``finished`` / ``closed``: constrained outputs that ended by themselves / by the budget closer;
 - ``tok_s`` constrained and unconstrained (mean over schemas, prefill included) and their ratio;
 - ``speedup_vs_hf``: constrained tok/s over ``hf``'s constrained tok/s (transformers ``generate``
   with the same grammar as a logits processor);
@@ -171,15 +173,16 @@ def is_valid(text: str, schema: dict) -> bool:
 
 
 def run_structured(model, tokenizer, cases: list[SchemaCase], methods: list[str], max_new_tokens: int = 256,
-                   chat: bool | None = None, progress: bool = True) -> list[StructuredRecord]:
-    """Run each method constrained and unconstrained on each schema, interleaved (greedy)."""
+                   chat: bool | None = None, progress: bool = True, close_reserve: int = 0) -> list[StructuredRecord]:
+    """Run each method constrained and unconstrained on each schema, interleaved (greedy).
+    ``close_reserve``: the grammars' budget closer (:class:`~speculum.constrain.Grammar`; 0: off)."""
     runner = runner_for(model)
     built = {m: build_method(m, model, tokenizer, runner=runner) for m in methods}
     eos = default_eos_ids(model, tokenizer)
     width = runner.vocab_size
 
     def grammar_for(schema):
-        return Grammar(ConstraintSpec.json_schema(strict_schema(schema)), tokenizer, width, eos)
+        return Grammar(ConstraintSpec.json_schema(strict_schema(schema)), tokenizer, width, eos, close_reserve)
 
     warm = encode_prompt(tokenizer, PROMPT.format(schema=json.dumps(WARMUP_SCHEMA)), chat)
     for m in methods:
@@ -197,7 +200,7 @@ def run_structured(model, tokenizer, cases: list[SchemaCase], methods: list[str]
                 bar.set_postfix_str(f"{case.id[-24:]}:{m}{'+json' if constrained else ''}")
                 r = built[m].run(ids, max_new_tokens, grammar=grammar if constrained else None)
                 stats = r.to_dict()
-                valid = r.finish_reason == "eos" and is_valid(r.text, case.schema)
+                valid = r.finish_reason in ("eos", "closed") and is_valid(r.text, case.schema)
                 records.append(StructuredRecord(m, case.id, constrained, r.new_tokens, r.forwards, r.time_s,
                                                 r.finish_reason, valid, stats["time_mask_s"], stats["forced"]))
                 bar.update()
@@ -222,6 +225,7 @@ def summarize_structured(records: list[StructuredRecord], methods: list[str]) ->
             "schemas": len(con),
             "valid": round(sum(r.valid for r in con) / len(con), 4),
             "finished": round(sum(r.finish_reason == "eos" for r in con) / len(con), 4),
+            "closed": round(sum(r.finish_reason == "closed" for r in con) / len(con), 4),
             "valid_unconstrained": round(sum(r.valid for r in unc) / len(unc), 4) if unc else None,
             "tok_s": round(tok_c, 3),
             "tok_s_unconstrained": round(tok_u, 3) if tok_u else None,
@@ -246,8 +250,10 @@ def markdown(summary: dict, cov: list[dict], used: list[SchemaCase], meta: dict)
     for c in used:
         for f in features(c.schema):
             feats[f] = feats.get(f, 0) + 1
+    closer = f"in the last {meta['close_reserve']} tokens" if meta.get("close_reserve") else "off"
     lines = [(f"Model `{meta.get('model')}`, dtype {meta.get('dtype')}, greedy, max {meta.get('max_new_tokens')} new "
-             f"tokens, {len(used)} schemas."), "",
+             f"tokens, {len(used)} schemas, budget closer "
+             f"{closer}."), "",
              f"Coverage (strict mode): {ok} of {len(cov)} schemas compile "
              + "(" + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in by_set.items()) + ").", ""]
     refused = [r for r in cov if not r["ok"]]
@@ -258,15 +264,16 @@ def markdown(summary: dict, cov: list[dict], used: list[SchemaCase], meta: dict)
         lines += ["Compiled but left out, prompt too long for the context: "
                   + ", ".join(f"`{r['id']}` ({r['prompt_tokens']} tokens)" for r in long), ""]
     lines += ["Features among the schemas run: " + ", ".join(f"{k} {v}" for k, v in sorted(feats.items())), "",
-              ("| method | valid | valid unconstrained | tok/s constrained | tok/s unconstrained | ratio | "
+              ("| method | valid | ended by the model | closed by the budget | valid unconstrained | tok/s constrained | tok/s unconstrained | ratio | "
               "speedup vs hf (constrained) | mean accepted | forced tokens | mask µs/token | new tokens |"),
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(x, d=2, suf=""):
         return "–" if x is None else f"{x:.{d}f}{suf}"
 
     for m, s in summary.items():
-        lines.append(f"| {m} | {f(100 * s['valid'], 0, '%')} | {f(100 * s['valid_unconstrained'], 0, '%')} | "
+        lines.append(f"| {m} | {f(100 * s['valid'], 0, '%')} | {f(100 * s['finished'], 0, '%')} | "
+                     f"{f(100 * s['closed'], 0, '%')} | {f(100 * s['valid_unconstrained'], 0, '%')} | "
                      f"{f(s['tok_s'], 1)} | {f(s['tok_s_unconstrained'], 1)} | "
                      f"{f(s['constrained_over_unconstrained'])} | {f(s['speedup_vs_hf'], 2, 'x')} | "
                      f"{f(s['mean_accepted'])} | "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -50,6 +51,63 @@ def ll_tokenizer(tokenizer, width: int, eos_ids: Sequence[int]):
     return cached[key]
 
 
+# The budget closer's preferences, best first. Outside a JSON string: tokens that only close objects
+# and arrays (longer first), then a comma (a number ends, a required member follows), then the
+# shortest value of each type, then opening a string (a key).
+# Inside a string: tokens that close it and then only objects and arrays. Anything else: the lowest
+# allowed id.
+_SHORT_VALUES = [p + v for v in ("0", '""', "[]", "{}", "null", "false", "true", "[", "{", '"') for p in ("", " ")]
+_CLOSERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+CLOSE_SLACK = 8  # closing starts when the closing path needs all but this many of the tokens left
+
+
+@dataclass
+class CloserTable:
+    """Per tokenizer: each token's text (``[V]``) and the closer's candidates outside / inside a string."""
+
+    texts: list[str]
+    outside: list[int]
+    inside: list[int]
+
+
+def closer_table(tokenizer, width: int) -> CloserTable:
+    """Built once per tokenizer and logits width."""
+    try:
+        cached = _CLOSERS.setdefault(tokenizer, {})
+    except TypeError:
+        cached = {}
+    if width not in cached:
+        texts = [""] * width
+        for t, i in tokenizer.get_vocab().items():
+            if i < width:
+                texts[i] = tokenizer.convert_tokens_to_string([t])
+        ids = range(width)
+        only = lambda t, chars: bool(t) and set(t) <= set(chars)
+        by_len = lambda i: (-len(texts[i]), i)
+        outside = sorted((i for i in ids if only(texts[i], "}]")), key=by_len)
+        first = {}
+        for i in ids:
+            first.setdefault(texts[i], i)
+        outside += [first[v] for v in [",", ", "] + _SHORT_VALUES if v in first]
+        inside = sorted((i for i in ids if texts[i][:1] == '"' and (len(texts[i]) == 1 or only(texts[i][1:], "}]"))),
+                        key=by_len)
+        cached[width] = CloserTable(texts, outside, inside)
+    return cached[width]
+
+
+def _string_state(text: str, state: tuple[bool, bool]) -> tuple[bool, bool]:
+    """``(inside a JSON string, after a backslash)`` once ``text`` follows ``state``."""
+    inside, escaped = state
+    for c in text:
+        if escaped:
+            escaped = False
+        elif inside and c == "\\":
+            escaped = True
+        elif c == '"':
+            inside = not inside
+    return inside, escaped
+
+
 class Grammar:
     """A compiled constraint for one tokenizer; :meth:`matcher` starts a request's state.
 
@@ -58,13 +116,25 @@ class Grammar:
         tokenizer: a Hugging Face fast tokenizer.
         width: the model's logits width ``V`` (rows of the output layer).
         eos_ids: tokens that end generation; the grammar allows them once its text is complete.
+        close_reserve: 0 (default): an output that reaches ``max_new_tokens`` is cut there, as
+            OpenAI's API does, and usually breaks its grammar. ``N > 0``: the budget closer. In the
+            last ``N`` tokens of the budget the model decodes one token per step, and once the
+            grammar's shortest-effort completion (:meth:`TokenMatcher.closing_path`) needs all but
+            ``CLOSE_SLACK`` of the tokens left, that completion is emitted instead, so the output
+            ends complete and valid (finish reason ``"closed"``). The completion is a function of
+            the grammar state alone, so every method closes an output at the same token, in the
+            same way.
     """
 
-    def __init__(self, spec: ConstraintSpec, tokenizer, width: int, eos_ids: Sequence[int]):
+    def __init__(self, spec: ConstraintSpec, tokenizer, width: int, eos_ids: Sequence[int], close_reserve: int = 0):
         from llguidance import LLMatcher
 
+        if close_reserve < 0:
+            raise SpeculumError("close_reserve must be >= 0")
         self.spec, self.width = spec, width
         self.eos_ids = sorted(eos_ids)
+        self.close_reserve = close_reserve
+        self.closer = closer_table(tokenizer, width) if close_reserve else None
         self.lltok = ll_tokenizer(tokenizer, width, self.eos_ids)
         self.text = spec.grammar()
         error = LLMatcher.validate_grammar(self.text, self.lltok)
@@ -77,7 +147,7 @@ class Grammar:
         m = LLMatcher(self.lltok, self.text, log_level=0)
         if m.is_error():
             raise SpeculumError(f"the {self.spec.kind} constraint cannot be compiled: {m.get_error()}")
-        return TokenMatcher(m, self.width, self.eos_ids)
+        return TokenMatcher(m, self.width, self.eos_ids, self.closer)
 
 
 class TokenMatcher:
@@ -87,8 +157,11 @@ class TokenMatcher:
     rolling back over it undoes one token too many. It is legal exactly when the grammar accepts.
     """
 
-    def __init__(self, matcher, width: int, eos_ids: Sequence[int]):
+    def __init__(self, matcher, width: int, eos_ids: Sequence[int], closer: CloserTable | None = None):
         self.m, self.width, self.eos_ids = matcher, width, set(eos_ids)
+        self.eos = min(eos_ids)
+        self.closer = closer
+        self.string_state = (False, False)  # JSON lexical state of the committed text (for the closer)
         self._mask_bytes = (width + 31) // 32 * 4
 
     def _bits(self, m=None) -> np.ndarray:
@@ -159,6 +232,44 @@ class TokenMatcher:
             raise SpeculumError("the constraint allows no token here (the grammar cannot be completed)")
         return out
 
+    def closing_path(self, limit: int) -> list[int] | None:
+        """The shortest-effort completion from this state, end-of-sequence token included, or None if
+        it takes more than ``limit`` tokens. Deterministic, model-free: forced tokens, else the first
+        allowed closer candidate (closing tokens, then short values), else the lowest allowed id."""
+        if self.closer is None:
+            raise RuntimeError("the grammar was compiled without close_reserve")
+        m = self.m.deep_copy()
+        path: list[int] = []
+        state = self.string_state
+        while len(path) < limit:
+            if m.is_accepting():
+                return path + [self.eos]
+            ff = m.compute_ff_tokens()
+            ff = ff[: m.validate_tokens(ff)] if ff else []
+            if ff:
+                tok = ff[0]
+            else:
+                bits = self._bits(m)
+                prefs = self.closer.inside if state[0] else self.closer.outside
+                tok = next((t for t in prefs if bits[t >> 3] >> (t & 7) & 1), None)
+                if tok is None:
+                    ids = np.flatnonzero(np.unpackbits(bits, bitorder="little")[: self.width])
+                    ids = [int(i) for i in ids if int(i) not in self.eos_ids]
+                    if not ids:
+                        return None
+                    tok = ids[0]
+            if not m.consume_token(tok):
+                return None
+            path.append(tok)
+            state = _string_state(self.closer.texts[tok], state)
+        return None
+
+    def closing_due(self, remaining: int) -> list[int] | None:
+        """With ``remaining`` tokens of budget left: the completion to emit now (the budget closer's
+        rule, see :class:`Grammar`), or None to let the model go on."""
+        path = self.closing_path(remaining)
+        return path if path is not None and len(path) + CLOSE_SLACK >= remaining else None
+
     def commit(self, tokens: Sequence[int]) -> None:
         """Advance the state over generated ``tokens`` (all legal: they were sampled under the mask)."""
         for t in tokens:
@@ -166,6 +277,8 @@ class TokenMatcher:
                 return
             if not self.m.consume_token(int(t)):
                 raise RuntimeError(f"generated token {t} violates the constraint: {self.m.get_error()}")
+            if self.closer is not None:
+                self.string_state = _string_state(self.closer.texts[int(t)], self.string_state)
 
     def _check(self) -> None:
         if self.m.is_error():

@@ -34,7 +34,8 @@ from .protocol import APIError, ChatCompletionRequest, CommonParams, CompletionR
 from .worker import Job, QueueFull, Worker
 
 SERVABLE_METHODS = tuple(m for m in ENGINE_METHODS if m != "draft_model")
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length",
+          "closed": "length"}  # the budget closer ended a cut-off output validly
 
 
 class ServerState:
