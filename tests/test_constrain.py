@@ -104,23 +104,24 @@ LIST_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "item
                                               "count": {"type": "integer"}}, "required": ["notes", "count"]}
 
 
-def test_budget_closer_ends_valid_and_same_for_every_method(tiny_wide, smol_tokenizer):
+@pytest.mark.parametrize("reserve", [24, 48])
+def test_budget_closer_ends_valid_and_same_for_every_method(tiny_wide, smol_tokenizer, reserve):
     """With ``close_reserve`` an output the budget would cut ends with the grammar's completion: valid
     JSON, finish reason ``closed``, token-identical for plain decoding by hand, tree speculation,
     ngram and transformers' generate with the grammar processor (float32)."""
-    n, reserve = 48, 24
+    n = 48
     prompt = encode_prompt(smol_tokenizer, "List some notes.")
     grammar = Grammar(ConstraintSpec.json_schema(LIST_SCHEMA), smol_tokenizer, 49152, [EOS], close_reserve=reserve)
     m, ids, ref = grammar.matcher(), list(prompt), []
     with torch.no_grad():
         while len(ref) < n:
-            if n - len(ref) <= reserve and (path := m.closing_due(n - len(ref))) is not None:
-                ref += path
-                break
             logits = tiny_wide(torch.tensor([ids])).logits[0, -1:]
             tok = int(mask_logits(logits, m.allowed(DraftTree())).argmax())
-            ref.append(tok)
             assert tok != EOS, "the random model ended by itself: pick a prompt that runs past the budget"
+            if n - len(ref) <= reserve and (path := m.closing_instead(tok, n - len(ref))) is not None:
+                ref += path
+                break
+            ref.append(tok)
             m.commit([tok])
             ids.append(tok)
     assert ref[-1] == EOS and len(ref) <= n

@@ -126,6 +126,19 @@ def test_json_schema_outputs_are_valid(client, method):
     assert choice.choices[0].message.content in ("yes", "no")
 
 
+def test_budget_closer_keeps_a_cut_output_valid(client):
+    """``speculum.close_reserve``: an output the budget cuts still ends as valid JSON (finish "length")."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    prompt = "Invent a person who lives in Europe. Reply in JSON."
+    cut = _chat(client, prompt, max_tokens=20, response_format=fmt)
+    assert cut.choices[0].finish_reason == "length"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(cut.choices[0].message.content)
+    closed = _chat(client, prompt, max_tokens=20, response_format=fmt, extra_body={"speculum": {"close_reserve": 20}})
+    assert closed.choices[0].finish_reason == "length"
+    jsonschema.validate(json.loads(closed.choices[0].message.content), PERSON)
+
+
 def test_sampling_is_seeded(client):
     a = _chat(client, "Write a word.", max_tokens=8, seed=7).choices[0].message.content
     kw = {"model": "smollm2", "messages": [{"role": "user", "content": "Write a word."}], "max_tokens": 8,
@@ -225,6 +238,8 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, clien
         .startswith("response_format")
     assert _error(post("/chat/completions", {**chat, "speculum": {"method": "magic"}}), 400)["param"] == \
         "speculum.method"
+    assert "close_reserve" in _error(post("/chat/completions", {**chat, "speculum": {"close_reserve": 8}}),
+                                     400)["message"]
     assert _error(post("/chat/completions", {**chat, "model": "gpt-9"}), 404)["code"] == "model_not_found"
     assert _error(httpx.get(url + "/nope"), 404)["code"] == "not_found"
     with pytest.raises(openai.BadRequestError):

@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     con.add_argument("--regex", help="the output must match this regular expression")
     con.add_argument("--choice", help="the output must be one of these comma-separated strings")
     con.add_argument("--grammar", metavar="FILE", help="the output must match this Lark grammar")
+    con.add_argument("--close-reserve", type=int, default=0, metavar="N",
+                     help="the budget closer: each token among the last N of --max-new-tokens is kept only if "
+                          "the grammar can still be completed in the budget after it; else the grammar's "
+                          "shortest completion ends the output, valid (finish reason 'closed'; default: 0, off)")
     kvg = g.add_argument_group("KV cache (long prompts)")
     kvg.add_argument("--kv-policy", default="full",
                      help="what the KV cache keeps and reads: full (default), streaming, h2o, snapkv, kv_quant, "
@@ -100,9 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--n-schemas", type=int, default=30,
                    help="schemas to generate for (of those that compile; default: %(default)s)")
     b.add_argument("--close-reserve", type=int, default=0,
-                   help="structured workload: the budget closer (0: off). In the last N tokens of the budget, an "
-                        "output the budget would cut ends with the grammar's shortest completion instead, "
-                        "finish reason 'closed' (default: %(default)s)")
+                   help="structured workload: the budget closer (0: off). Each token among the last N of the "
+                        "budget is kept only if the grammar can still be completed in the budget after it; else "
+                        "the grammar's shortest completion ends the output (finish reason 'closed'). N >= "
+                        "--max-new-tokens checks every token (default: %(default)s)")
     b.add_argument("--rounds", type=int, default=3, help="rounds of the repeated workload (default: %(default)s)")
     _add_model_args(b)
 
@@ -246,12 +251,14 @@ def cmd_generate(args) -> int:
         raise SpeculumError("--max-new-tokens must be at least 1")
     sampling = _sampling(args)
     spec = _constraint(args)
+    if args.close_reserve < 0 or (args.close_reserve and spec is None):
+        raise SpeculumError("--close-reserve takes a token count >= 0, with a constraint (--json-schema, ...)")
     from .kv import make_policy
 
     policy = make_policy(args.kv_policy, args.kv_budget)
     model, tok, draft, draft_tok = _load(args)
     method = build_method(args.method, model, tok, draft, draft_tok, kv_policy=policy)
-    grammar = method.compile(spec) if spec is not None else None
+    grammar = method.compile(spec, args.close_reserve) if spec is not None else None
     ids = encode_prompt(tok, args.prompt, args.chat)
 
     text = StreamingText(tok, args.stop)
@@ -332,8 +339,8 @@ def _bench_structured(args, methods: list[str]) -> int:
         raise SpeculumError("--n-schemas must be at least 1")
     if args.temperature != 0:
         raise SpeculumError("the structured benchmark is greedy: leave --temperature at 0")
-    if not 0 <= args.close_reserve < args.max_new_tokens:
-        raise SpeculumError("--close-reserve must be between 0 and --max-new-tokens")
+    if args.close_reserve < 0:
+        raise SpeculumError("--close-reserve must be >= 0")
     bad = [m for m in methods if m in ("hf_pld", "hf_assisted", "draft_model")]
     if bad:
         raise SpeculumError(f"the structured benchmark runs hf and speculum's engine methods, not {', '.join(bad)}")

@@ -174,11 +174,12 @@ class Engine:
             eos_token_ids = default_eos_ids(getattr(self.runner, "model", None), tokenizer)
         self.eos_ids = set(eos_token_ids)
 
-    def compile(self, spec) -> Grammar:
-        """Compile a :class:`~speculum.constrain.ConstraintSpec` for this engine's tokenizer and logits."""
+    def compile(self, spec, close_reserve: int = 0) -> Grammar:
+        """Compile a :class:`~speculum.constrain.ConstraintSpec` for this engine's tokenizer and logits
+        (``close_reserve``: the budget closer, see :class:`~speculum.constrain.Grammar`)."""
         if self.tokenizer is None:
             raise SpeculumError("constrained decoding needs the engine's tokenizer")
-        return Grammar(spec, self.tokenizer, self.runner.vocab_size, sorted(self.eos_ids))
+        return Grammar(spec, self.tokenizer, self.runner.vocab_size, sorted(self.eos_ids), close_reserve)
 
     def stream(self, prompt_ids: Sequence[int], max_new_tokens: int = 128,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (), seed: int | None = None,
@@ -226,24 +227,6 @@ class Engine:
         while reason is None:
             t_a = time.perf_counter()
             room = max(min(self.max_tree, max_new_tokens - len(generated) - 1, max_len - len(tokens) - 1), 0)
-            if closing:  # a step may not jump into the closer's zone: every position there is checked
-                room = min(room, max(max_new_tokens - len(generated) - grammar.close_reserve - 1, 0))
-            if closing and max_new_tokens - len(generated) <= grammar.close_reserve:
-                # the budget closer's zone: one token per step, each position checked (see Grammar)
-                room = 0
-                path = matcher.closing_due(min(max_new_tokens - len(generated), max_len - len(tokens)))
-                if path is not None:
-                    before = len(generated)
-                    generated.extend(path)
-                    keep, reason = stops.check(generated, before)
-                    reason = "closed" if reason == "eos" else reason or "length"
-                    del generated[keep:]
-                    new = generated[before:]
-                    tokens.extend(new)
-                    matcher.commit(new)
-                    if new:
-                        yield new
-                    break
             t_m = time.perf_counter()
             forced = matcher.forced(room) if matcher is not None else []
             mask_s = time.perf_counter() - t_m
@@ -273,9 +256,20 @@ class Engine:
             cache.commit([0] + [i + 1 for i in acc.path])
             if self.kv_policy is not None:
                 self.kv_policy.after_step(cache)
+            step_tokens, closed = acc.tokens, False
+            if closing:  # the budget closer: keep the model's tokens only while the grammar can still end in time
+                t_m = time.perf_counter()
+                left = min(max_new_tokens - len(generated), max_len - len(tokens))
+                checked = max(0, len(step_tokens) - max(0, left - grammar.close_reserve))  # those in its zone
+                found = matcher.close_within(step_tokens, left, checked) if checked else None
+                if found is not None:
+                    step_tokens, closed = step_tokens[:found[0]] + found[1], True
+                mask_s += time.perf_counter() - t_m
             before = len(generated)
-            generated.extend(acc.tokens)
+            generated.extend(step_tokens)
             keep, reason = stops.check(generated, before)
+            if closed and reason == "eos":
+                reason = "closed"
             if keep > max_new_tokens:
                 keep, reason = max_new_tokens, "length"
             elif reason is None and keep == max_new_tokens:

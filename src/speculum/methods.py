@@ -58,9 +58,9 @@ class EngineMethod:
             on_tokens: Callable[[list[int]], None] | None = None, grammar=None) -> GenerationResult:
         return self.engine.generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, grammar)
 
-    def compile(self, spec):
+    def compile(self, spec, close_reserve: int = 0):
         """A :class:`~speculum.constrain.Grammar` for ``spec`` (pass it to :meth:`run` as ``grammar``)."""
-        return self.engine.compile(spec)
+        return self.engine.compile(spec, close_reserve)
 
 
 class HFMethod:
@@ -75,11 +75,11 @@ class HFMethod:
     def _count(self, *args):
         self._calls += 1
 
-    def compile(self, spec):
+    def compile(self, spec, close_reserve: int = 0):
         from .constrain import Grammar
 
         width = self.model.get_output_embeddings().weight.shape[0]
-        return Grammar(spec, self.tokenizer, width, self.eos_ids)
+        return Grammar(spec, self.tokenizer, width, self.eos_ids, close_reserve)
 
     def run(self, prompt_ids, max_new_tokens=128, sampling=None, stop=(), seed=None, on_tokens=None,
             grammar=None):
@@ -109,7 +109,7 @@ class HFMethod:
 
             from .constrain.hf_processor import GrammarLogitsProcessor
 
-            processor = GrammarLogitsProcessor(grammar, len(prompt_ids), max_new_tokens)
+            processor = GrammarLogitsProcessor(grammar, len(prompt_ids), max_new_tokens if sampling.greedy else None)
             kwargs["logits_processor"] = LogitsProcessorList([processor])
         if seed is not None:
             torch.manual_seed(seed)

@@ -58,7 +58,6 @@ def ll_tokenizer(tokenizer, width: int, eos_ids: Sequence[int]):
 # allowed id.
 _SHORT_VALUES = [p + v for v in ("0", '""', "[]", "{}", "null", "false", "true", "[", "{", '"') for p in ("", " ")]
 _CLOSERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-CLOSE_SLACK = 8  # closing starts when the closing path needs all but this many of the tokens left
 
 
 @dataclass
@@ -117,13 +116,16 @@ class Grammar:
         width: the model's logits width ``V`` (rows of the output layer).
         eos_ids: tokens that end generation; the grammar allows them once its text is complete.
         close_reserve: 0 (default): an output that reaches ``max_new_tokens`` is cut there, as
-            OpenAI's API does, and usually breaks its grammar. ``N > 0``: the budget closer. In the
-            last ``N`` tokens of the budget the model decodes one token per step, and once the
-            grammar's shortest-effort completion (:meth:`TokenMatcher.closing_path`) needs all but
-            ``CLOSE_SLACK`` of the tokens left, that completion is emitted instead, so the output
-            ends complete and valid (finish reason ``"closed"``). The completion is a function of
-            the grammar state alone, so every method closes an output at the same token, in the
-            same way.
+            OpenAI's API does, and usually breaks its grammar. ``N > 0``: the budget closer. Each of
+            the model's tokens among the last ``N`` of the budget is kept only if the grammar can
+            still be completed within the budget after it (:meth:`TokenMatcher.close_within`);
+            otherwise the grammar's shortest-effort completion from the state before it
+            (:meth:`TokenMatcher.closing_path`) is emitted instead, so the output ends complete and
+            valid (finish reason ``"closed"``), provided that a completion fitted where the checks
+            began (``N`` at least the budget makes that the empty output). The completion is a
+            function of the grammar state alone, so every method (speculative or not, and
+            transformers' ``generate`` through the logits processor, greedy) closes an output at the
+            same token, in the same way. Each check walks the completion (about 0.1 ms per token of it).
     """
 
     def __init__(self, spec: ConstraintSpec, tokenizer, width: int, eos_ids: Sequence[int], close_reserve: int = 0):
@@ -232,15 +234,23 @@ class TokenMatcher:
             raise SpeculumError("the constraint allows no token here (the grammar cannot be completed)")
         return out
 
-    def closing_path(self, limit: int) -> list[int] | None:
-        """The shortest-effort completion from this state, end-of-sequence token included, or None if
-        it takes more than ``limit`` tokens. Deterministic, model-free: forced tokens, else the first
-        allowed closer candidate (closing tokens, then short values), else the lowest allowed id."""
+    def closing_path(self, limit: int, first: int | None = None) -> list[int] | None:
+        """The shortest-effort completion from this state (after ``first``, when given), end-of-sequence
+        token included, or None if it takes more than ``limit`` tokens. Deterministic and
+        model-free: forced tokens, else the first allowed closer candidate (closing tokens, a comma,
+        short values), else the lowest allowed id."""
         if self.closer is None:
             raise RuntimeError("the grammar was compiled without close_reserve")
-        m = self.m.deep_copy()
+        m, state = self.m.deep_copy(), self.string_state
+        if first is not None:
+            if not m.consume_token(first):
+                return None
+            state = _string_state(self.closer.texts[first], state)
+        return self._close(m, state, limit)
+
+    def _close(self, m, state: tuple[bool, bool], limit: int) -> list[int] | None:
+        """:meth:`closing_path` from matcher ``m`` (consumed) in JSON string ``state``."""
         path: list[int] = []
-        state = self.string_state
         while len(path) < limit:
             if m.is_accepting():
                 return path + [self.eos]
@@ -264,11 +274,35 @@ class TokenMatcher:
             state = _string_state(self.closer.texts[tok], state)
         return None
 
-    def closing_due(self, remaining: int) -> list[int] | None:
-        """With ``remaining`` tokens of budget left: the completion to emit now (the budget closer's
-        rule, see :class:`Grammar`), or None to let the model go on."""
-        path = self.closing_path(remaining)
-        return path if path is not None and len(path) + CLOSE_SLACK >= remaining else None
+    def closing_instead(self, token: int, left: int) -> list[int] | None:
+        """The budget closer's rule, with ``left`` tokens of budget and the model's next ``token``:
+        None to keep ``token`` (an end, or a token after which the grammar can still be completed in
+        ``left - 1``), else the completion to emit instead (None too when none fits: the output
+        will be cut)."""
+        found = self.close_within([token], left, 1)
+        return None if found is None else found[1]
+
+    def close_within(self, tokens: Sequence[int], left: int, checked: int) -> tuple[int, list[int]] | None:
+        """The budget closer over the model's next ``tokens`` (legal, not yet committed), with ``left``
+        tokens of budget before them; the last ``checked`` of them fall in the closer's zone.
+
+        Returns None to keep them all, or ``(i, path)``: keep ``tokens[:i]`` and emit the completion
+        ``path`` instead of ``tokens[i:]``, because after ``tokens[i]`` the grammar could no longer
+        be completed within the budget. Checking each token in order is what plain decoding does one
+        token at a time, so every method gives the same output."""
+        m, state = self.m.deep_copy(), self.string_state
+        first = len(tokens) - checked
+        for i, t in enumerate(tokens):
+            if t in self.eos_ids:
+                return None
+            if i >= first:
+                after, after_state = m.deep_copy(), _string_state(self.closer.texts[t], state)
+                if not after.consume_token(t) or self._close(after, after_state, left - i - 1) is None:
+                    path = self._close(m, state, left - i)
+                    return None if path is None else (i, path)
+            m.consume_token(t)
+            state = _string_state(self.closer.texts[t], state)
+        return None
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Advance the state over generated ``tokens`` (all legal: they were sampled under the mask)."""

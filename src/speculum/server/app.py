@@ -63,10 +63,10 @@ class ServerState:
                                               max_tree=self.max_tree)
         return self.methods[name]
 
-    def grammar(self, spec: ConstraintSpec) -> Grammar:
-        key = json.dumps([spec.kind, spec.value], sort_keys=True, default=list)
+    def grammar(self, spec: ConstraintSpec, close_reserve: int = 0) -> Grammar:
+        key = json.dumps([spec.kind, spec.value, close_reserve], sort_keys=True, default=list)
         if key not in self.grammars:
-            self.grammars[key] = Grammar(spec, self.tokenizer, self.runner.vocab_size, self.eos_ids)
+            self.grammars[key] = Grammar(spec, self.tokenizer, self.runner.vocab_size, self.eos_ids, close_reserve)
             if len(self.grammars) > 64:
                 self.grammars.popitem(last=False)
         self.grammars.move_to_end(key)
@@ -216,7 +216,9 @@ def create_app(state: ServerState) -> FastAPI:
                 specs.append(ConstraintSpec.lark(opts.grammar))
         if len(specs) > 1:
             raise SpeculumError("give at most one constraint (response_format, regex, choice or grammar)")
-        return state.grammar(specs[0]) if specs else None
+        if opts is not None and opts.close_reserve and not specs:
+            raise SpeculumError("speculum.close_reserve needs a constraint (response_format, regex, choice or grammar)")
+        return state.grammar(specs[0], opts.close_reserve if opts is not None else 0) if specs else None
 
     async def _stream(request: Request, job: Job, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
         text = StreamingText(state.tokenizer, job.stop)

@@ -49,6 +49,7 @@ class SpeculumOptions(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None  # Lark
     max_tree: int | None = Field(default=None, ge=1, le=256)
+    close_reserve: int = Field(default=0, ge=0)  # the grammar's budget closer (speculum.constrain.Grammar)
 
 
 class CommonParams(BaseModel):
