@@ -60,6 +60,9 @@ _SHORT_VALUES = [p + v for v in ("0", '""', "[]", "{}", "null", "false", "true",
 _CLOSERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+STUCK_AFTER = 16  # the closer gives up after picking the same fallback token this many times running
+
+
 @dataclass
 class CloserTable:
     """Per tokenizer: each token's text (``[V]``) and the closer's candidates outside / inside a string."""
@@ -67,6 +70,17 @@ class CloserTable:
     texts: list[str]
     outside: list[int]
     inside: list[int]
+
+    def __post_init__(self):
+        self.outside_ids = np.array(self.outside, dtype=np.int64)
+        self.inside_ids = np.array(self.inside, dtype=np.int64)
+        self._eos: dict[tuple[int, ...], np.ndarray] = {}
+
+    def eos_array(self, eos_ids) -> np.ndarray:
+        key = tuple(sorted(eos_ids))
+        if key not in self._eos:
+            self._eos[key] = np.array(key, dtype=np.int64)
+        return self._eos[key]
 
 
 def closer_table(tokenizer, width: int) -> CloserTable:
@@ -236,7 +250,7 @@ class TokenMatcher:
 
     def closing_path(self, limit: int, first: int | None = None) -> list[int] | None:
         """The shortest-effort completion from this state (after ``first``, when given), end-of-sequence
-        token included, or None if it takes more than ``limit`` tokens. Deterministic and
+        token included, or None if none is found within ``limit`` tokens. Deterministic and
         model-free: forced tokens, else the first allowed closer candidate (closing tokens, a comma,
         short values), else the lowest allowed id."""
         if self.closer is None:
@@ -246,39 +260,51 @@ class TokenMatcher:
             if not m.consume_token(first):
                 return None
             state = _string_state(self.closer.texts[first], state)
-        return self._close(m, state, limit)
+        path, _ = self._close(m, state, limit)
+        return path
 
-    def _close(self, m, state: tuple[bool, bool], limit: int) -> list[int] | None:
-        """:meth:`closing_path` from matcher ``m`` (consumed) in JSON string ``state``."""
+    def _close(self, m, state: tuple[bool, bool], limit: int) -> tuple[list[int] | None, bool]:
+        """:meth:`closing_path` from matcher ``m`` (consumed) in JSON string ``state``. Returns
+        ``(path or None, stuck)``: ``stuck`` when the walk gave up because its fallback kept
+        picking one token (inside a ``format`` or ``pattern`` string it cannot finish), so that no
+        completion was found for a reason other than the budget."""
         path: list[int] = []
+        fallback_run = 0
         while len(path) < limit:
             if m.is_accepting():
-                return path + [self.eos]
+                return path + [self.eos], False
             ff = m.compute_ff_tokens()
-            ff = ff[: m.validate_tokens(ff)] if ff else []
-            if ff:
-                tok = ff[0]
+            ff = ff[: min(m.validate_tokens(ff), limit - len(path))] if ff else []
+            if ff:  # forced: take them all at once
+                for t in ff:
+                    m.consume_token(t)
+                    state = _string_state(self.closer.texts[t], state)
+                path += ff
+                fallback_run = 0
+                continue
+            allowed = np.unpackbits(self._bits(m), bitorder="little")[: self.width]
+            prefs = self.closer.inside_ids if state[0] else self.closer.outside_ids
+            hit = np.flatnonzero(allowed[prefs])
+            if len(hit):
+                tok, fallback_run = int(prefs[hit[0]]), 0
             else:
-                bits = self._bits(m)
-                prefs = self.closer.inside if state[0] else self.closer.outside
-                tok = next((t for t in prefs if bits[t >> 3] >> (t & 7) & 1), None)
-                if tok is None:
-                    ids = np.flatnonzero(np.unpackbits(bits, bitorder="little")[: self.width])
-                    ids = [int(i) for i in ids if int(i) not in self.eos_ids]
-                    if not ids:
-                        return None
-                    tok = ids[0]
+                ids = np.flatnonzero(allowed)
+                ids = ids[~np.isin(ids, self.closer.eos_array(self.eos_ids))]
+                if not len(ids):
+                    return None, False
+                tok = int(ids[0])
+                fallback_run = fallback_run + 1 if path and path[-1] == tok else 1
+                if fallback_run > STUCK_AFTER:
+                    return None, True
             if not m.consume_token(tok):
-                return None
+                return None, False
             path.append(tok)
             state = _string_state(self.closer.texts[tok], state)
-        return None
+        return None, False
 
     def closing_instead(self, token: int, left: int) -> list[int] | None:
         """The budget closer's rule, with ``left`` tokens of budget and the model's next ``token``:
-        None to keep ``token`` (an end, or a token after which the grammar can still be completed in
-        ``left - 1``), else the completion to emit instead (None too when none fits: the output
-        will be cut)."""
+        None to keep ``token``, else the completion to emit instead (see :meth:`close_within`)."""
         found = self.close_within([token], left, 1)
         return None if found is None else found[1]
 
@@ -288,8 +314,10 @@ class TokenMatcher:
 
         Returns None to keep them all, or ``(i, path)``: keep ``tokens[:i]`` and emit the completion
         ``path`` instead of ``tokens[i:]``, because after ``tokens[i]`` the grammar could no longer
-        be completed within the budget. Checking each token in order is what plain decoding does one
-        token at a time, so every method gives the same output."""
+        be completed within the budget. A token after which the closer finds no completion for
+        another reason (it is stuck in a ``format`` or ``pattern`` string) is kept: the closer
+        does not overrule the model where it cannot do better. Checking each token in order is
+        what plain decoding does one token at a time, so every method gives the same output."""
         m, state = self.m.deep_copy(), self.string_state
         first = len(tokens) - checked
         for i, t in enumerate(tokens):
@@ -297,8 +325,11 @@ class TokenMatcher:
                 return None
             if i >= first:
                 after, after_state = m.deep_copy(), _string_state(self.closer.texts[t], state)
-                if not after.consume_token(t) or self._close(after, after_state, left - i - 1) is None:
-                    path = self._close(m, state, left - i)
+                if not after.consume_token(t):
+                    return None
+                path_after, stuck = self._close(after, after_state, left - i - 1)
+                if path_after is None and not stuck:
+                    path, _ = self._close(m, state, left - i)
                     return None if path is None else (i, path)
             m.consume_token(t)
             state = _string_state(self.closer.texts[t], state)
