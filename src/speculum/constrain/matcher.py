@@ -178,6 +178,7 @@ class TokenMatcher:
         self.eos = min(eos_ids)
         self.closer = closer
         self.string_state = (False, False)  # JSON lexical state of the committed text (for the closer)
+        self.completion: list[int] | None = None  # the closer's last completion found (see close_within)
         self._mask_bytes = (width + 31) // 32 * 4
 
     def _bits(self, m=None) -> np.ndarray:
@@ -309,31 +310,46 @@ class TokenMatcher:
         return None if found is None else found[1]
 
     def close_within(self, tokens: Sequence[int], left: int, checked: int) -> tuple[int, list[int]] | None:
-        """The budget closer over the model's next ``tokens`` (legal, not yet committed), with ``left``
-        tokens of budget before them; the last ``checked`` of them fall in the closer's zone.
+        """The budget closer over the model's next ``tokens`` (legal, about to be committed), with
+        ``left`` tokens of budget before them; the last ``checked`` of them fall in the closer's zone.
 
         Returns None to keep them all, or ``(i, path)``: keep ``tokens[:i]`` and emit the completion
         ``path`` instead of ``tokens[i:]``, because after ``tokens[i]`` the grammar could no longer
-        be completed within the budget. A token after which the closer finds no completion for
-        another reason (it is stuck in a ``format`` or ``pattern`` string) is kept: the closer
-        does not overrule the model where it cannot do better. Checking each token in order is
-        what plain decoding does one token at a time, so every method gives the same output."""
-        m, state = self.m.deep_copy(), self.string_state
+        be completed within the budget. A token is kept when the last completion found still
+        completes the grammar after it (one cheap validation: inside a string it usually does), or
+        else when the closer's walk (:meth:`closing_path`) finds one that fits. A token after which
+        the walk gets stuck (in a ``format`` or ``pattern`` string) is kept too: the closer does not
+        overrule the model where it cannot do better. The tokens are checked in order, as plain
+        decoding checks them one at a time, so every method gives the same output."""
+        m, state, known = self.m.deep_copy(), self.string_state, self.completion
         first = len(tokens) - checked
         for i, t in enumerate(tokens):
             if t in self.eos_ids:
-                return None
+                break
             if i >= first:
                 after, after_state = m.deep_copy(), _string_state(self.closer.texts[t], state)
                 if not after.consume_token(t):
-                    return None
-                path_after, stuck = self._close(after, after_state, left - i - 1)
-                if path_after is None and not stuck:
-                    path, _ = self._close(m, state, left - i)
-                    return None if path is None else (i, path)
+                    break
+                if known is None or len(known) > left - i - 1 or not self._completes(after, known):
+                    known, stuck = self._close(after, after_state, left - i - 1)
+                    if known is None and not stuck:
+                        path, _ = self._close(m, state, left - i)
+                        return None if path is None else (i, path)
             m.consume_token(t)
             state = _string_state(self.closer.texts[t], state)
+        self.completion = known  # the tokens are committed next (or generation ends)
         return None
+
+    @staticmethod
+    def _completes(m, path: list[int]) -> bool:
+        """Whether ``path`` (ending with the end-of-sequence token) completes the grammar from ``m``."""
+        body = path[:-1]
+        if m.validate_tokens(body) != len(body):
+            return False
+        m = m.deep_copy()
+        for t in body:
+            m.consume_token(t)
+        return m.is_accepting()
 
     def commit(self, tokens: Sequence[int]) -> None:
         """Advance the state over generated ``tokens`` (all legal: they were sampled under the mask)."""
