@@ -411,6 +411,16 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def _release_if_native(model) -> None:
+    """Drop transformers' copies of the layer weights when ``model`` runs on the native runner (which
+    holds its own): for commands that never run the ``hf`` methods."""
+    from .native import NativeRunner
+    from .runner import release_model_weights, runner_for
+
+    if isinstance(runner_for(model), NativeRunner):
+        release_model_weights(model)
+
+
 def cmd_longctx(args) -> int:
     import shlex
 
@@ -418,8 +428,6 @@ def cmd_longctx(args) -> int:
     from .bench.ruler import TASKS
     from .kv import Budget, make_policy
     from .models import load
-    from .native import NativeRunner
-    from .runner import release_model_weights, runner_for
 
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()]
     try:
@@ -445,8 +453,7 @@ def cmd_longctx(args) -> int:
     if "full" in policies:  # the baseline runs first
         policies = ["full"] + [p for p in policies if p != "full"]
     model, tok = load(args.model, args.dtype, args.device)
-    if isinstance(runner_for(model), NativeRunner):  # the suite runs nothing else: drop transformers' copies
-        release_model_weights(model)
+    _release_if_native(model)  # the suite runs nothing else
     records = run_longctx(model, tok, lengths, tasks, policies, budgets, args.samples, args.protocol, args.chat,
                           values=tuple(values))
     meta = {"command": "speculum " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "model": args.model,
@@ -468,8 +475,7 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from .models import load
-    from .native import NativeRunner
-    from .runner import release_model_weights, runner_for, use_runner
+    from .runner import use_runner
     from .server import ServerState, create_app
     from .server.app import SERVABLE_METHODS
 
@@ -481,8 +487,7 @@ def cmd_serve(args) -> int:
         raise SpeculumError("--port must be in 1..65535")
     model, tok = load(args.model, args.dtype, args.device)
     use_runner(model, args.runner)
-    if isinstance(runner_for(model), NativeRunner):  # the server runs only engine methods: drop transformers' copies
-        release_model_weights(model)
+    _release_if_native(model)  # the server runs only engine methods
     state = ServerState(model, tok, args.served_model_name or args.model, args.method, args.max_queue,
                         args.max_tree)
     print(f"speculum: serving {state.model_name!r} ({args.method}) on http://{args.host}:{args.port}/v1",

@@ -322,7 +322,7 @@ def runner_for(model: torch.nn.Module, kind: str | None = None):
         kind = "hf" if unsupported_reason(model.config) else "native"
     elif kind == "native" and (reason := unsupported_reason(model.config)):
         raise SpeculumError(f"the native runner does not support {reason}; use --runner hf")
-    if kind == "hf" and model.__dict__.get(_RELEASED):
+    if kind == "hf" and weights_released(model):
         raise SpeculumError("this model's layer weights were released to its native runner "
                             "(release_model_weights); load the model again to run it with transformers")
     runners = model.__dict__.setdefault("_speculum_runners", {})

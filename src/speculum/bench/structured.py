@@ -252,8 +252,7 @@ def markdown(summary: dict, cov: list[dict], used: list[SchemaCase], meta: dict)
             feats[f] = feats.get(f, 0) + 1
     closer = f"in the last {meta['close_reserve']} tokens" if meta.get("close_reserve") else "off"
     lines = [(f"Model `{meta.get('model')}`, dtype {meta.get('dtype')}, greedy, max {meta.get('max_new_tokens')} new "
-             f"tokens, {len(used)} schemas, budget closer "
-             f"{closer}."), "",
+             f"tokens, {len(used)} schemas, budget closer {closer}."), "",
              f"Coverage (strict mode): {ok} of {len(cov)} schemas compile "
              + "(" + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in by_set.items()) + ").", ""]
     refused = [r for r in cov if not r["ok"]]

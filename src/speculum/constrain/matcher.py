@@ -250,19 +250,14 @@ class TokenMatcher:
             raise SpeculumError("the constraint allows no token here (the grammar cannot be completed)")
         return out
 
-    def closing_path(self, limit: int, first: int | None = None) -> list[int] | None:
-        """The shortest-effort completion from this state (after ``first``, when given), end-of-sequence
-        token included, or None if none is found within ``limit`` tokens. Deterministic and
-        model-free: forced tokens, else the first allowed closer candidate (closing tokens, a comma,
-        short values), else the lowest allowed id."""
+    def closing_path(self, limit: int) -> list[int] | None:
+        """The shortest-effort completion from this state, end-of-sequence token included, or None if
+        none is found within ``limit`` tokens. Deterministic and model-free: forced tokens, else the
+        first allowed closer candidate (closing tokens, a comma, short values), else the lowest
+        allowed id."""
         if self.closer is None:
             raise RuntimeError("the grammar was compiled without close_reserve")
-        m, state = self.m.deep_copy(), self.string_state
-        if first is not None:
-            if not m.consume_token(first):
-                return None
-            state = _string_state(self.closer.texts[first], state)
-        path, _ = self._close(m, state, limit)
+        path, _ = self._close(self.m.deep_copy(), self.string_state, limit)
         return path
 
     def _close(self, m, state: tuple[bool, bool], limit: int) -> tuple[list[int] | None, bool]:
