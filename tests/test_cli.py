@@ -155,6 +155,9 @@ def test_bench_structured_reports_coverage_and_validity(tmp_path):
     assert res["schemas_run"] == ["a", "c"]
     for m in ("hf", "ar", "ngram"):
         assert res["methods"][m]["valid"] == 1.0, m
+        assert res["methods"][m]["decode_ratio"] > 0, m
+    per_schema = [json.loads(line) for line in (out / "per_schema.jsonl").read_text().splitlines()]
+    assert all(0 < r["prefill_s"] < r["time_s"] for r in per_schema)  # hf's prefill is timed too
     assert "oneOf" in (out / "results.md").read_text()
 
 

@@ -71,9 +71,13 @@ class HFMethod:
         self.assistant, self.prompt_lookup = assistant, prompt_lookup
         self.eos_ids = default_eos_ids(model, tokenizer)
         self._calls = 0
+        self._first_done: float | None = None
 
     def _count(self, *args):
+        """Forward hook: counts target forwards and notes when the first one (the prefill) ended."""
         self._calls += 1
+        if self._first_done is None:
+            self._first_done = time.perf_counter()
 
     def compile(self, spec, close_reserve: int = 0):
         from .constrain import Grammar
@@ -115,7 +119,7 @@ class HFMethod:
             torch.manual_seed(seed)
         device = next(self.model.parameters()).device
         ids = torch.tensor([list(prompt_ids)], device=device)
-        self._calls = 0
+        self._calls, self._first_done = 0, None
         hook = self.model.register_forward_hook(self._count)
         try:
             t0 = time.perf_counter()
@@ -134,7 +138,8 @@ class HFMethod:
             text = cut_at_stop(text, stop)
         if on_tokens is not None:
             on_tokens(new)
-        return GenerationResult(len(prompt_ids), new, text, reason, elapsed, 0.0, self._calls)
+        prefill_s = self._first_done - t0 if self._first_done is not None else 0.0
+        return GenerationResult(len(prompt_ids), new, text, reason, elapsed, prefill_s, self._calls)
 
 
 def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=None,
