@@ -20,6 +20,9 @@ Set-up and run (from the repository root):
     DIR=$(.venv/bin/python -c "import speculum.models as m; print(m._dequantized_dir(m.Path(m.resolve('default')[1])))")
     .venv-kvpress/bin/python benchmarks/kvpress_compare.py --model-dir $DIR --lengths 2048 --samples 3 \\
         --out docs/longctx-kvpress
+
+``speculum longctx`` caps oneDNN's primitive cache at 16 kernels (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``);
+set the same variable here to compare the two processes on equal terms (recorded in results.json).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import ctypes
 import gc
 import importlib.util
 import json
+import os
 import statistics
 import sys
 import time
@@ -140,7 +144,9 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({"rows": rows, "records": records,
                                                   "versions": {"torch": torch.__version__,
                                                                "kvpress": _version("kvpress"),
-                                                               "transformers": _version("transformers")}},
+                                                               "transformers": _version("transformers")},
+                                                  "onednn_primitive_cache":
+                                                      os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")},
                                                  indent=1))
     for r in rows:
         print(r)

@@ -154,11 +154,13 @@ class PolicyKVCache(PendingEntries):
         """Evict: keep committed slots ``idx [layers, H_kv, m]`` (increasing along ``m``), moved to the front."""
         L, _, H, _, d = self.kv.shape
         m = idx.shape[2]
-        kept = torch.empty((L, 2, H, m, d), dtype=self.dtype, device=self.device)
+        # one layer's scratch, not a second cache: a [layers, ...] copy would briefly double the memory
+        # the cache holds at every eviction
+        kept = torch.empty((2, H, m, d), dtype=self.dtype, device=self.device)
         for layer in range(L):
             for h in range(H):  # index_select copies whole rows: ~10x faster than gather here
-                torch.index_select(self.kv[layer, :, h], 1, idx[layer, h], out=kept[layer, :, h])
-        self.kv[:, :, :, :m] = kept
+                torch.index_select(self.kv[layer, :, h], 1, idx[layer, h], out=kept[:, h])
+            self.kv[layer, :, :, :m] = kept
         self.pos[:, :, :m] = self.pos[:, :, : self.length].gather(2, idx)
         if self.score is not None:
             self.score[:, :, :m] = self.score[:, :, : self.length].gather(2, idx)

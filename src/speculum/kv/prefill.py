@@ -39,19 +39,25 @@ def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, w
     rope = decoder.rope(positions)
     spans = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
     w0 = max(0, n - window_rows)
+    causal = ChunkCausalMask(n, chunk, s.group, decoder.dtype, dev) if n > chunk else None
     for i, layer in enumerate(decoder.layers):
         buf = torch.empty((2, s.kv_heads, n, s.head_dim), dtype=decoder.dtype, device=dev)
         want = None if layer.sliding else scores
         acc = torch.zeros((s.kv_heads, n), dtype=torch.float32, device=dev) if want == "all" else None
         tail: list[torch.Tensor] = []
         for a, b in spans:
-            # built per chunk and layer, as the chunked prefill does: all chunks' masks at once would
-            # hold g * n * n / 2 elements (200 MB at 8k tokens for SmolLM2)
-            vis = visibility(a, positions[a:b], None, s.sliding_window)[layer.sliding]
-            attend = functools.partial(_chunk_attention, decoder, buf, a, b, grouped(vis, s.group, decoder.dtype), acc,
+            shared = causal is not None and not layer.sliding and b - a == chunk
+            if shared:
+                mask = causal.over(a, b)
+            else:  # sliding-window layers and a short last chunk: built for this chunk and layer
+                vis = visibility(a, positions[a:b], None, s.sliding_window)[layer.sliding]
+                mask = grouped(vis, s.group, decoder.dtype)
+            attend = functools.partial(_chunk_attention, decoder, buf, a, b, mask, acc,
                                        tail if want == "window" and b > w0 else None, w0)
             part = {kind: (cos[a:b], sin[a:b]) for kind, (cos, sin) in rope.items()}
             h[a:b] = decoder.layer_forward(i, layer, h[a:b], part, attend)
+            if shared:
+                causal.release(a, b)
         layer_scores = acc
         if want == "window":
             qw = torch.cat(tail)  # [w, H, d], the queries of positions w0 .. n-1
@@ -59,6 +65,30 @@ def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, w
             layer_scores = attention_probs(decoder, qw, buf[0], grouped(vis, s.group, torch.float32)).sum(1)
         store(i, layer.sliding, buf, layer_scores)
     return decoder.logits(h[-1:])
+
+
+class ChunkCausalMask:
+    """Full-attention masks of whole prompt chunks, as views of one buffer that every chunk and layer shares.
+
+    The mask of chunk ``a .. b-1`` (``b - a == chunk``) over keys ``0 .. b-1`` is additive and
+    folded (:func:`~speculum.runner.grouped`): ``[g*chunk, b]``, zero over the keys before the
+    chunk and causal over its own. :meth:`over` returns it as the view ``buf[:, :b]`` of a zeroed
+    ``[g*chunk, n]`` buffer with the causal block written at ``a .. b-1``; :meth:`release` zeroes
+    that block again. The values equal the per-chunk masks; building those afresh for every chunk
+    of every layer allocated ``g*chunk*b`` elements each time (6 MB per chunk and layer at 4k tokens
+    for SmolLM2), which the allocator kept resident and fragmented.
+    """
+
+    def __init__(self, n: int, chunk: int, group: int, dtype: torch.dtype, device) -> None:
+        self.buf = torch.zeros((group * chunk, n), dtype=dtype, device=device)
+        self.block = grouped(torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril(), group, dtype)
+
+    def over(self, a: int, b: int) -> torch.Tensor:
+        self.buf[:, a:b] = self.block
+        return self.buf[:, :b]
+
+    def release(self, a: int, b: int) -> None:
+        self.buf[:, a:b] = 0
 
 
 def _chunk_attention(decoder, buf, a, b, mask, acc, tail, w0, _i, _layer, q, k, v):
