@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "decoding. Prints and writes a table of accuracy (RULER's string_match_all, in %) x policy x "
                     "budget x length with the KV bytes held, the peak resident memory of each run, and decode "
                     "tok/s: DIR/results.json, DIR/results.md, DIR/records.json (every output) and "
-                    "DIR/accuracy.png (accuracy against KV bytes).",
+                    "DIR/accuracy.png (accuracy against KV bytes). To keep the process lean it caps oneDNN's "
+                    "per-shape kernel cache at 16 (ONEDNN_PRIMITIVE_CACHE_CAPACITY; a value you set is kept).",
         epilog="policies (name or name:key=value,...):\n"
                "  full       whole cache, full attention (the baseline; always run first)\n"
                "  streaming  StreamingLLM: 4 attention sinks + recent window        (sinks=4)\n"
