@@ -224,12 +224,8 @@ def summarize_structured(records: list[StructuredRecord], methods: list[str]) ->
     def mean(xs):
         return sum(xs) / len(xs) if xs else None
 
-    def decode_rate(rs):
-        t = sum(r.decode_s for r in rs)
-        return sum(r.new_tokens for r in rs) / t if t > 0 else None
-
-    def overall_rate(rs):
-        t = sum(r.time_s for r in rs)
+    def rate(rs, seconds):  # all tokens over all of the time ``seconds(record)`` gives
+        t = sum(seconds(r) for r in rs)
         return sum(r.new_tokens for r in rs) / t if t > 0 else None
 
     out = {}
@@ -241,8 +237,8 @@ def summarize_structured(records: list[StructuredRecord], methods: list[str]) ->
             continue
         tok_c, tok_u = mean([r.tok_s for r in con]), mean([r.tok_s for r in unc])
         new = sum(r.new_tokens for r in con)
-        dec_c, dec_u = decode_rate(con), decode_rate(unc)
-        all_c, all_u = overall_rate(con), overall_rate(unc)
+        dec_c, dec_u = (rate(rs, lambda r: r.decode_s) for rs in (con, unc))
+        all_c, all_u = (rate(rs, lambda r: r.time_s) for rs in (con, unc))
         out[m] = {
             "schemas": len(con),
             "valid": round(sum(r.valid for r in con) / len(con), 4),
@@ -304,7 +300,7 @@ def markdown(summary: dict, cov: list[dict], used: list[SchemaCase], meta: dict)
                      f"{f(100 * s['closed'], 0, '%')} | {f(100 * s['valid_unconstrained'], 0, '%')} | "
                      f"{f(s['decode_tok_s'], 1)} | {f(s['decode_tok_s_unconstrained'], 1)} | {f(s['decode_ratio'])} | "
                      f"{f(s['tok_s'], 1)} | {f(s['tok_s_unconstrained'], 1)} | "
-                     f"{f(s['constrained_over_unconstrained'])} | {f(s.get('overall_ratio'))} | "
+                     f"{f(s['constrained_over_unconstrained'])} | {f(s['overall_ratio'])} | "
                      f"{f(s['speedup_vs_hf'], 2, 'x')} | "
                      f"{f(s['mean_accepted'])} | "
                      f"{'–' if s['forced_frac'] is None else f(100 * s['forced_frac'], 0, '%')} | "

@@ -32,6 +32,14 @@ from .spec import ConstraintSpec
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _per_tokenizer(store: weakref.WeakKeyDictionary, tokenizer) -> dict:
+    """``tokenizer``'s entry in a per-tokenizer cache (a throwaway dict if it is not weak-referenceable)."""
+    try:
+        return store.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable: no cache
+        return {}
+
+
 def ll_tokenizer(tokenizer, width: int, eos_ids: Sequence[int]):
     """llguidance's view of a Hugging Face fast tokenizer (built once per tokenizer, ~0.3 s)."""
     import llguidance.hf
@@ -39,10 +47,7 @@ def ll_tokenizer(tokenizer, width: int, eos_ids: Sequence[int]):
     if not eos_ids:
         raise SpeculumError("constrained decoding needs an end-of-sequence token id to end the output")
     key = (width, tuple(sorted(eos_ids)))
-    try:
-        cached = _TOKENIZERS.setdefault(tokenizer, {})
-    except TypeError:  # not weak-referenceable: no cache
-        cached = {}
+    cached = _per_tokenizer(_TOKENIZERS, tokenizer)
     if key not in cached:
         try:
             cached[key] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=width, eos_token=sorted(eos_ids))
@@ -65,30 +70,17 @@ STUCK_AFTER = 16  # the closer gives up after picking the same fallback token th
 
 @dataclass
 class CloserTable:
-    """Per tokenizer: each token's text (``[V]``) and the closer's candidates outside / inside a string."""
+    """Per tokenizer: each token's text (``[V]``) and the closer's candidate ids, best first, outside /
+    inside a JSON string."""
 
     texts: list[str]
-    outside: list[int]
-    inside: list[int]
-
-    def __post_init__(self):
-        self.outside_ids = np.array(self.outside, dtype=np.int64)
-        self.inside_ids = np.array(self.inside, dtype=np.int64)
-        self._eos: dict[tuple[int, ...], np.ndarray] = {}
-
-    def eos_array(self, eos_ids) -> np.ndarray:
-        key = tuple(sorted(eos_ids))
-        if key not in self._eos:
-            self._eos[key] = np.array(key, dtype=np.int64)
-        return self._eos[key]
+    outside: np.ndarray
+    inside: np.ndarray
 
 
 def closer_table(tokenizer, width: int) -> CloserTable:
     """Built once per tokenizer and logits width."""
-    try:
-        cached = _CLOSERS.setdefault(tokenizer, {})
-    except TypeError:
-        cached = {}
+    cached = _per_tokenizer(_CLOSERS, tokenizer)
     if width not in cached:
         texts = [""] * width
         for t, i in tokenizer.get_vocab().items():
@@ -104,7 +96,7 @@ def closer_table(tokenizer, width: int) -> CloserTable:
         outside += [first[v] for v in [",", ", "] + _SHORT_VALUES if v in first]
         inside = sorted((i for i in ids if texts[i][:1] == '"' and (len(texts[i]) == 1 or only(texts[i][1:], "}]"))),
                         key=by_len)
-        cached[width] = CloserTable(texts, outside, inside)
+        cached[width] = CloserTable(texts, np.array(outside, dtype=np.int64), np.array(inside, dtype=np.int64))
     return cached[width]
 
 
@@ -177,6 +169,7 @@ class TokenMatcher:
     def __init__(self, matcher, width: int, eos_ids: Sequence[int], closer: CloserTable | None = None):
         self.m, self.width, self.eos_ids = matcher, width, set(eos_ids)
         self.eos = min(eos_ids)
+        self._eos_array = np.array(sorted(self.eos_ids), dtype=np.int64)
         self.closer = closer
         self.string_state = (False, False)  # JSON lexical state of the committed text (for the closer)
         self.completion: list[int] | None = None  # the closer's last completion found (see close_within)
@@ -280,13 +273,13 @@ class TokenMatcher:
                 fallback_run = 0
                 continue
             allowed = np.unpackbits(self._bits(m), bitorder="little")[: self.width]
-            prefs = self.closer.inside_ids if state[0] else self.closer.outside_ids
+            prefs = self.closer.inside if state[0] else self.closer.outside
             hit = np.flatnonzero(allowed[prefs])
             if len(hit):
                 tok, fallback_run = int(prefs[hit[0]]), 0
             else:
                 ids = np.flatnonzero(allowed)
-                ids = ids[~np.isin(ids, self.closer.eos_array(self.eos_ids))]
+                ids = ids[~np.isin(ids, self._eos_array)]
                 if not len(ids):
                     return None, False
                 tok = int(ids[0])
