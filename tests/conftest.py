@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -11,6 +14,20 @@ from speculum.drafters.base import Drafter
 from speculum.tree import DraftTree
 
 TINY_VOCAB = 96
+_SUITE_CACHE: str | None = None
+
+
+def pytest_configure(config):
+    """The suite owns its cache directory: a new, empty one per run, filled by the tests themselves
+    (dequantized weights, calibration curves), so that no test depends on what an earlier run left."""
+    global _SUITE_CACHE
+    _SUITE_CACHE = tempfile.mkdtemp(prefix="speculum-test-cache-")
+    os.environ["SPECULUM_CACHE"] = _SUITE_CACHE
+
+
+def pytest_unconfigure(config):
+    if _SUITE_CACHE is not None:
+        shutil.rmtree(_SUITE_CACHE, ignore_errors=True)
 
 
 def tiny_llama(seed: int = 0, vocab: int = TINY_VOCAB, layers: int = 2, logit_scale: float = 1.0):

@@ -228,15 +228,36 @@ def _sampling(args):
     return SamplingParams(args.temperature, args.top_k, args.top_p)
 
 
-def _load(args):
-    from .models import load
+def _load(args, methods: list[str], prompt: str | None = None):
+    """``(model, tokenizer, draft, draft_tokenizer)`` for ``methods``, after every check that needs no weights.
+
+    A model's first load dequantizes it and prints progress; the mistakes that tokenizers and
+    configurations reveal (a missing or incompatible draft model, a prompt longer than the context)
+    are caught before it, so their one-line error is all the user sees.
+    """
+    from .drafters.draft_model import check_same_tokenizer
+    from .engine import check_prompt_fits
+    from .methods import NEEDS_DRAFT, check_method
+    from .models import context_length, load, load_tokenizer_and_config, parse_dtype
+    from .prompts import encode_prompt
     from .runner import use_runner
 
-    model, tok = load(args.model, args.dtype, args.device)
-    use_runner(model, args.runner)
-    draft = draft_tok = None
+    parse_dtype(args.dtype)
+    for name in methods:
+        check_method(name, bool(args.draft_model))
+    tok, config = load_tokenizer_and_config(args.model)
+    if prompt is not None:
+        check_prompt_fits(len(encode_prompt(tok, prompt, args.chat)), context_length(config))
+    draft_tok = None
     if args.draft_model:
-        draft, draft_tok = load(args.draft_model, args.dtype, args.device)
+        draft_tok, _ = load_tokenizer_and_config(args.draft_model)
+        if any(name in NEEDS_DRAFT for name in methods):
+            check_same_tokenizer(tok, draft_tok)
+    model, tok = load(args.model, args.dtype, args.device, tokenizer=tok)
+    use_runner(model, args.runner)
+    draft = None
+    if args.draft_model:
+        draft, draft_tok = load(args.draft_model, args.dtype, args.device, tokenizer=draft_tok)
         use_runner(draft, args.runner)
     return model, tok, draft, draft_tok
 
@@ -257,7 +278,7 @@ def cmd_generate(args) -> int:
     from .kv import make_policy
 
     policy = make_policy(args.kv_policy, args.kv_budget)
-    model, tok, draft, draft_tok = _load(args)
+    model, tok, draft, draft_tok = _load(args, [args.method], args.prompt)
     method = build_method(args.method, model, tok, draft, draft_tok, kv_policy=policy)
     grammar = method.compile(spec, args.close_reserve) if spec is not None else None
     ids = encode_prompt(tok, args.prompt, args.chat)
@@ -306,7 +327,7 @@ def cmd_bench(args) -> int:
         prompts = repeated_workload(load_prompts(args.data or repeated_prompts_path(), args.per_task), args.rounds)
     else:
         prompts = load_prompts(args.data or demo_prompts_path(), args.per_task)
-    model, tok, draft, draft_tok = _load(args)
+    model, tok, draft, draft_tok = _load(args, methods)
     results, records = run_benchmark(model, tok, prompts, methods, args.max_new_tokens, sampling, args.chat,
                                      draft, draft_tok, seed=args.seed or 0, progress=not args.no_progress)
     device = next(model.parameters()).device
@@ -345,7 +366,7 @@ def _bench_structured(args, methods: list[str]) -> int:
     bad = [m for m in methods if m in ("hf_pld", "hf_assisted", "draft_model")]
     if bad:
         raise SpeculumError(f"the structured benchmark runs hf and speculum's engine methods, not {', '.join(bad)}")
-    model, tok, _, _ = _load(args)
+    model, tok, _, _ = _load(args, methods)
     width = model.get_output_embeddings().weight.shape[0]
     cov = coverage(cases, tok, width, default_eos_ids(model, tok))
     used = select(cases, cov, args.n_schemas, tok, runner_for(model).max_positions, args.max_new_tokens, args.chat)

@@ -322,13 +322,16 @@ class Engine:
             raise SpeculumError("the prompt is empty")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SpeculumError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-        if len(prompt) >= self.runner.max_positions:
-            raise SpeculumError(
-                f"the prompt has {len(prompt)} tokens but the model's context is {self.runner.max_positions}"
-            )
+        check_prompt_fits(len(prompt), self.runner.max_positions)
         vocab = self.runner.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise SpeculumError(f"prompt token ids must lie in [0, {vocab})")
+
+
+def check_prompt_fits(prompt_tokens: int, max_positions: int) -> None:
+    """Raise :class:`SpeculumError` unless a prompt of ``prompt_tokens`` leaves room for one new token."""
+    if prompt_tokens >= max_positions:
+        raise SpeculumError(f"the prompt has {prompt_tokens} tokens but the model's context is {max_positions}")
 
 
 def default_eos_ids(model, tokenizer) -> list[int]:

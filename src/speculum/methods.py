@@ -37,7 +37,7 @@ from .engine import Engine, GenerationResult, cut_at_stop, default_eos_ids
 from .errors import SpeculumError
 from .runner import HFRunner, runner_for, weights_released
 from .sampling import SamplingParams
-from .tree_sizing import TreeSizer
+from .tree_sizing import CostModel, TreeSizer
 
 ENGINE_METHODS = ("ar", "ngram", "ngram_tree", "suffix", "recycling", "mix", "auto", "draft_model")
 # drafters whose trees carry scores: the engine sizes them to the hardware's calibrated cost curve
@@ -142,21 +142,28 @@ class HFMethod:
         return GenerationResult(len(prompt_ids), new, text, reason, elapsed, prefill_s, self._calls)
 
 
+def check_method(name: str, has_draft_model: bool) -> None:
+    """Raise :class:`SpeculumError` for an unknown method or one that lacks its draft model (no weights needed)."""
+    if name not in METHODS:
+        raise SpeculumError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    if name in NEEDS_DRAFT and not has_draft_model:
+        raise SpeculumError(f"method {name!r} needs a draft model (--draft-model)")
+
+
 def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=None,
-                 runner: HFRunner | None = None, **options):
+                 runner: HFRunner | None = None, cost_model: CostModel | None = None, **options):
     """Make the method ``name`` for ``model``.
 
     Args:
         draft_model / draft_tokenizer: for ``draft_model`` and ``hf_assisted``.
         runner: share one target runner between several engine methods.
+        cost_model: the forward-cost curve that sizes the trees of :data:`SIZED_METHODS`; by default
+            the runner's calibrated curve (measured now, with a progress bar, if none is cached).
         options: drafter settings, e.g. ``max_draft=12`` for ``ngram``, ``num_draft=4`` for
             ``draft_model``, ``max_tree`` for the engine, ``kv_policy`` (a :class:`~speculum.kv.KVPolicy`).
     """
-    if name not in METHODS:
-        raise SpeculumError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    check_method(name, draft_model is not None)
     if name in NEEDS_DRAFT:
-        if draft_model is None:
-            raise SpeculumError(f"method {name!r} needs a draft model (--draft-model)")
         check_same_tokenizer(tokenizer, draft_tokenizer)
         if name == "draft_model":
             tw = model.get_output_embeddings().weight.shape[0]
@@ -194,6 +201,6 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
         drafter = AutoDrafter(**options)
     else:
         drafter = DraftModelDrafter(draft_model, **options)
-    sizer = TreeSizer(load_or_measure(runner, progress=True)) if sized else None
+    sizer = TreeSizer(cost_model or load_or_measure(runner, progress=True)) if sized else None
     engine = Engine(runner, drafter, tokenizer, max_tree=max_tree, sizer=sizer, kv_policy=kv_policy)
     return EngineMethod(name, engine)

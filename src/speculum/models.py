@@ -9,9 +9,13 @@ Sources, in the order :func:`load` tries them:
 - a local Hugging Face model directory;
 - a hub id such as ``HuggingFaceTB/SmolLM2-360M-Instruct`` (needs internet).
 
-transformers dequantizes GGUF weights to float, which takes ~13 s for SmolLM2. The result is
-cached as safetensors under ``$SPECULUM_CACHE`` (default ``~/.cache/speculum``) in a folder named
-after the GGUF file's SHA-256, so the second load is a plain safetensors load.
+transformers dequantizes GGUF weights to float once. The result is cached as safetensors under
+``$SPECULUM_CACHE`` (default ``~/.cache/speculum``) in a folder named after the GGUF file's SHA-256,
+so the second load is a plain safetensors load.
+
+:func:`load_tokenizer_and_config` reads only a model's tokenizer and configuration (for a GGUF file,
+from its metadata, cached on its own and silently), so that a caller can check its arguments
+(prompt length, a draft model's vocabulary) before the expensive, progress-printing weight load.
 """
 
 from __future__ import annotations
@@ -65,6 +69,11 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
         return DTYPES[dtype.lower()]
     except KeyError:
         raise SpeculumError(f"unknown dtype {dtype!r}; choose one of {', '.join(sorted(set(DTYPES)))}") from None
+
+
+def context_length(config) -> int:
+    """The most positions a model with this configuration attends over (unbounded if it does not say)."""
+    return getattr(config, "max_position_embeddings", 1 << 20)
 
 
 def default_device() -> str:
@@ -122,31 +131,58 @@ def file_sha256(path: Path) -> str:
     return memo[key]
 
 
-def _dequantized_dir(gguf: Path) -> Path:
-    """Return a HF model directory holding the dequantized weights of ``gguf``, building it once."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = cache_dir() / "dequantized" / file_sha256(gguf)
-    if (out / "config.json").exists():
-        return out
-    log.warning("dequantizing %s once (cached in %s)", gguf.name, out)
-    kw = {"gguf_file": gguf.name}
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kw)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
-    # The weights are plain floats now; drop the GGUF "quantizer" so they save as safetensors.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+def _write_dir(out: Path, *parts) -> None:
+    """Save each of ``parts`` (anything with ``save_pretrained``) into ``out``, atomically: a
+    half-written folder never carries the name ``out``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        for part in parts:
+            part.save_pretrained(tmp)
         tmp.rename(out)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (out / "config.json").exists():  # another process may have won the race
             raise
+
+
+def _metadata_dir(gguf: Path) -> Path:
+    """A HF directory with the tokenizer and ``config.json`` of ``gguf`` but no weights.
+
+    Read from the GGUF metadata once, printing nothing; once the weights are dequantized, their
+    directory (which holds the same files) serves instead.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    sha = file_sha256(gguf)
+    full = cache_dir() / "dequantized" / sha
+    if (full / "config.json").exists():
+        return full
+    out = cache_dir() / "metadata" / sha
+    if not (out / "config.json").exists():
+        kw = {"gguf_file": gguf.name}
+        _write_dir(out, AutoTokenizer.from_pretrained(gguf.parent, **kw), AutoConfig.from_pretrained(gguf.parent, **kw))
+    return out
+
+
+def _dequantized_dir(gguf: Path) -> Path:
+    """Return a HF model directory holding the dequantized weights of ``gguf``, building it once."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    meta = _metadata_dir(gguf)
+    out = cache_dir() / "dequantized" / file_sha256(gguf)
+    if meta == out:
+        return out
+    log.warning("dequantizing %s once (cached in %s)", gguf.name, out)
+    tokenizer, config = AutoTokenizer.from_pretrained(meta), AutoConfig.from_pretrained(meta)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                 dtype=torch.float32)
+    # The weights are plain floats now; drop the GGUF "quantizer" so they save as safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    _write_dir(out, model, tokenizer)
+    shutil.rmtree(meta, ignore_errors=True)  # the full directory holds the same files
     return out
 
 
@@ -176,23 +212,46 @@ def resolve(model: str) -> tuple[str, str]:
     )
 
 
-def load(model: str = "default", dtype: str | torch.dtype | None = None, device: str | None = None):
+def _location(model: str, weights: bool) -> str:
+    """Where ``from_pretrained`` finds ``model``; for a GGUF file, its weights only if ``weights``."""
+    kind, where = resolve(model)
+    if kind == "gguf":
+        return str((_dequantized_dir if weights else _metadata_dir)(Path(where)))
+    return where
+
+
+def load_tokenizer_and_config(model: str = "default"):
+    """``(tokenizer, config)`` of ``model`` without its weights: cheap, prints nothing.
+
+    For checks that should fail before :func:`load` spends time (and prints progress) on a first
+    dequantization: the prompt's length against the context, a draft model's vocabulary.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    where = _location(model, weights=False)
+    try:
+        return AutoTokenizer.from_pretrained(where), AutoConfig.from_pretrained(where)
+    except OSError as e:
+        raise SpeculumError(f"could not load model {model!r}: {e}") from None
+
+
+def load(model: str = "default", dtype: str | torch.dtype | None = None, device: str | None = None,
+         tokenizer=None):
     """Load ``(model, tokenizer)``; the model is in eval mode on ``device`` with weights in ``dtype``.
 
     Args:
         model: an alias (``default``, ``gemma3``), a ``.gguf`` path, a local HF directory or a hub id.
         dtype: ``"bfloat16"`` (default), ``"float32"`` or ``"float16"``, or a ``torch.dtype``.
         device: ``"cpu"``, ``"cuda"``, ...; default: CUDA when available, else CPU.
+        tokenizer: this model's tokenizer, if already loaded (:func:`load_tokenizer_and_config`).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
     device = device or default_device()
-    kind, where = resolve(model)
-    if kind == "gguf":
-        where = str(_dequantized_dir(Path(where)))
+    where = _location(model, weights=True)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where)
+        tokenizer = tokenizer or AutoTokenizer.from_pretrained(where)
         lm = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype)
     except OSError as e:
         raise SpeculumError(f"could not load model {model!r}: {e}") from None

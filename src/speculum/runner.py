@@ -36,6 +36,7 @@ from transformers import AttentionInterface
 
 from .cache import KVCache
 from .errors import SpeculumError
+from .models import context_length
 from .tree import DraftTree
 
 _ATTN_NAME = "speculum_sdpa"
@@ -202,7 +203,7 @@ class HFRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.max_positions = getattr(cfg, "max_position_embeddings", 1 << 20)
+        self.max_positions = context_length(self.config)
         self.num_layers = cfg.num_hidden_layers
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -16,6 +16,7 @@ import weakref
 
 import torch
 
+from ..models import context_length
 from ..runner import grouped, visibility
 from ..tree import DraftTree
 from .cache import StaticKVCache
@@ -46,7 +47,7 @@ class NativeRunner:
         self.shape = s
         self.device, self.dtype = self.decoder.device, self.decoder.dtype
         self.vocab_size = s.vocab
-        self.max_positions = getattr(self.config, "max_position_embeddings", 1 << 20)
+        self.max_positions = context_length(self.config)
         self.prefill_chunk = prefill_chunk
         self.variant = "fused" if self.decoder.fused else "exact"  # part of the calibration key
         if cuda_graphs is None:
