@@ -170,7 +170,7 @@ def _dequantized_dir(gguf: Path) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     meta = _metadata_dir(gguf)
-    out = cache_dir() / "dequantized" / file_sha256(gguf)
+    out = cache_dir() / "dequantized" / meta.name  # both folders are named by the GGUF's SHA-256
     if meta == out:
         return out
     log.warning("dequantizing %s once (cached in %s)", gguf.name, out)
