@@ -34,57 +34,13 @@ from typing import Protocol
 import torch
 from transformers import AttentionInterface
 
+from .attention import folded_attention, grouped, use_math_attention, visibility
 from .cache import KVCache
 from .errors import SpeculumError
 from .models import context_length
 from .tree import DraftTree
 
 _ATTN_NAME = "speculum_sdpa"
-MATH_ATTENTION_ROWS = (8, 256)  # folded query rows for which the CPU math attention path pays
-
-
-def use_math_attention(rows: int, device: torch.device) -> bool:
-    """Whether :func:`folded_attention` should take its math path for ``rows`` folded query rows.
-
-    Measured on the 2-core development CPU (bfloat16, 3 KV heads, 1-4k keys): the math path wins
-    from 8 rows (verification) to about 200; SDPA's flash kernel from about 300 rows (prefill
-    chunks: 3.7x faster for 768 rows over 8k keys).
-    """
-    lo, hi = MATH_ATTENTION_ROWS
-    return device.type == "cpu" and lo <= rows < hi
-
-
-def folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float, math: bool, softcap: float | None = None) -> torch.Tensor:
-    """Attention with the query heads of each KV group folded into the row axis.
-
-    Shapes: ``q [1, H_kv, R, d]`` (``R = g*n`` rows: row ``j*n + i`` is query ``i`` of head ``j``
-    in the group), ``k, v [1, H_kv, L, d]``, ``mask`` additive, broadcastable to ``[R, L]`` (see
-    :func:`grouped`), or None. Returns ``[1, H_kv, R, d]``. ``math`` (the caller's choice, or
-    soft-capping) runs an explicit matmul-softmax-matmul in float32: measured here 2x faster than
-    ``scaled_dot_product_attention``'s CPU flash kernel for 33 rows over 1000 keys, 20-25% slower
-    for 1-4 rows.
-    """
-    if not math and softcap is None:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [1, H_kv, R, L]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        scores = scores + mask
-    return torch.matmul(scores.softmax(-1).to(v.dtype), v)
-
-
-def grouped(mask: torch.Tensor | None, group: int, dtype: torch.dtype) -> torch.Tensor | None:
-    """``[n, L]`` bool (True = visible) -> ``[g*n, L]`` additive mask (0 / -inf) in ``dtype``, its rows
-    repeated for the ``g`` query heads that share a KV head (the layout of :func:`folded_attention`).
-    A per-KV-head mask ``[H_kv, n, L]`` becomes ``[H_kv, g*n, L]`` the same way."""
-    if mask is None:
-        return None
-    add = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    return add.repeat(*([1] * (mask.dim() - 2)), group, 1)
-
-
 def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """Attention on the KV heads without repeating them (transformers' attention-function interface).
 
@@ -151,32 +107,6 @@ def layer_types(config) -> list[str]:
     if getattr(config, "model_type", "") == "mistral" and getattr(config, "sliding_window", None):
         return ["sliding_attention"] * n
     return ["full_attention"] * n
-
-
-def visibility(length: int, positions: torch.Tensor, new_mask: torch.Tensor | None, window: int | None,
-               start: int = 0):
-    """Which keys ``n`` new tokens see after ``length`` cached ones: ``(full, sliding)``, each a
-    ``[n, length - start + n]`` bool mask (True = visible) over slots ``start ..`` or None
-    (everything visible).
-
-    ``positions [n]`` of the new tokens; ``new_mask [n, n]`` among them (None = causal). On
-    sliding-window layers keys more than ``window - 1`` positions behind the query are hidden
-    (transformers' rule ``kv_pos > q_pos - window``); cached slot ``c`` holds position ``c``.
-    """
-    n = positions.shape[0]
-    dev = positions.device
-    if new_mask is None and n > 1:
-        new_mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
-    full = None
-    if new_mask is not None:
-        full = torch.cat([torch.ones(n, length - start, dtype=torch.bool, device=dev), new_mask.to(dev)], dim=1)
-    sliding = full
-    if window is not None and int(positions.max()) - window >= start:
-        key_pos = torch.cat([torch.arange(start, length, device=dev), positions])
-        in_window = key_pos[None, :] > positions[:, None] - window  # [n, L]
-        if not bool(in_window.all()):
-            sliding = in_window if full is None else (full & in_window)
-    return full, sliding
 
 
 class Runner(Protocol):

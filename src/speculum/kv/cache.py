@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention import grouped, in_window, visibility
 from ..cache import PendingEntries
-from ..runner import grouped, visibility
 
 
 @dataclass
@@ -202,9 +202,8 @@ class PolicyKVCache(PendingEntries):
                                    self.dtype)
         n, a = step.n, self.length
         vis = visibility(a, step.positions, step.new_mask, None, start)[0]  # [n, L] or None
-        key_pos = self.pos[layer, :, start:a + n]  # [H_kv, L]
-        in_window = key_pos[:, None, :] > step.positions[None, :, None] - step.window  # [H_kv, n, L]
-        vis = in_window if vis is None else vis & in_window
+        window = in_window(self.pos[layer, :, start:a + n], step.positions, step.window)  # [H_kv, n, L]
+        vis = window if vis is None else vis & window
         if n == 1 and bool(vis.all()):
             return None
         return grouped(vis, self.shape.group, self.dtype)

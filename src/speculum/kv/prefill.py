@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from ..runner import grouped, visibility
+from ..attention import grouped, visibility
 from .scoring import attention_probs
 
 SCORE_ROWS = 32  # prompt queries per slice when accumulating attention (H2O)

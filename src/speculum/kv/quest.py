@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .scoring import fold_queries, top_slots
+from ..attention import fold_queries
+from .scoring import top_slots
 from .sparse import SparseReadPolicy
 
 

@@ -5,27 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def fold_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """``q [n, H, d]`` -> ``[H_kv, g*n, d]``: row ``j*n + i`` is query ``i`` of head ``j`` of a KV group."""
-    n, heads, d = q.shape
-    g = heads // kv_heads
-    return q.view(n, kv_heads, g, d).permute(1, 2, 0, 3).reshape(kv_heads, g * n, d)
+from ..attention import attention_probs as folded_probs
 
 
 def attention_probs(decoder, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Softmax attention weights ``[H_kv, g*n, L]`` (float32) of ``q [n, H, d]`` over ``k [H_kv, L, d]``.
-
-    ``mask``: additive, ``[g*n, L]`` or ``[H_kv, g*n, L]``, or None. Same scale and soft-capping as
-    the decoder's attention.
-    """
-    s = decoder.shape
-    scores = torch.matmul(fold_queries(q, s.kv_heads), k.transpose(-1, -2)).float() * s.attn_scale
-    if s.attn_softcap is not None:
-        scores = torch.tanh(scores / s.attn_softcap) * s.attn_softcap
-    if mask is not None:
-        scores = scores + mask
-    return scores.softmax(-1)
+    """Softmax attention weights ``[H_kv, g*n, L]`` (float32) of ``q [n, H, d]`` over ``k [H_kv, L, d]``
+    with ``decoder``'s scale and soft-capping. ``mask``: additive, ``[g*n, L]`` or ``[H_kv, g*n, L]``, or None."""
+    return folded_probs(q, k, mask, decoder.shape.attn_scale, decoder.shape.attn_softcap)
 
 
 def pool_scores(scores: torch.Tensor, kernel: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ import functools
 import numpy as np
 import torch
 
-from ..runner import grouped
+from ..attention import grouped, in_window
 from .model import NativeDecoder
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80)
@@ -94,8 +94,7 @@ class GraphedSteps:
         masks = {False: grouped(visible, s.group, dec.dtype)}
         if s.sliding_window is not None:
             key_pos = torch.where(past, torch.arange(k, device=dev), positions[new_col])  # [K]
-            in_window = key_pos[None, :] > positions[:, None] - s.sliding_window
-            masks[True] = grouped(visible & in_window, s.group, dec.dtype)
+            masks[True] = grouped(visible & in_window(key_pos, positions, s.sliding_window), s.group, dec.dtype)
         else:
             masks[True] = masks[False]
         return dec.forward(inp["ids"], positions, self.kv, slots, k, masks)

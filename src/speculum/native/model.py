@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from ..runner import folded_attention, layer_types, packed_linear, use_math_attention
+from ..attention import attention
+from ..runner import layer_types, packed_linear
 
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 GEMMA3 = {"gemma3_text"}
@@ -355,16 +356,6 @@ class NativeDecoder:
         return qk[:, : s.heads], qk[:, s.heads:], v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """``q [n, H, d]`` over ``k, v [H_kv, L, d]`` -> ``[n, H*d]``, without repeating the KV heads.
-
-        The ``g`` query heads that share a KV head are folded into the row axis
-        (``[n, H, d] -> [H_kv, g*n, d]``) and :func:`~speculum.runner.folded_attention` runs the
-        math path where :func:`~speculum.runner.use_math_attention` says it pays (or with soft-capping), else SDPA.
-        """
-        s = self.shape
-        n = q.shape[0]
-        g = s.group
-        qg = q.view(n, s.kv_heads, g, s.head_dim).permute(1, 2, 0, 3).reshape(s.kv_heads, g * n, s.head_dim)
-        use_math = use_math_attention(g * n, q.device)
-        out = folded_attention(qg[None], k[None], v[None], mask, s.attn_scale, use_math, s.attn_softcap)[0]
-        return out.view(s.kv_heads, g, n, s.head_dim).permute(2, 0, 1, 3).reshape(n, s.heads * s.head_dim)
+        """``q [n, H, d]`` over ``k, v [H_kv, L, d]`` -> ``[n, H*d]`` with this model's scale and
+        soft-capping (:func:`speculum.attention.attention`: folded queries, no repeated KV heads)."""
+        return attention(q, k, v, mask, self.shape.attn_scale, self.shape.attn_softcap)

@@ -16,8 +16,8 @@ import weakref
 
 import torch
 
+from ..attention import grouped, visibility
 from ..models import context_length
-from ..runner import grouped, visibility
 from ..tree import DraftTree
 from .cache import StaticKVCache
 from .model import NativeDecoder

@@ -1,0 +1,143 @@
+"""Attention: the one place that decides which keys a query sees and runs attention over them.
+
+Every runner, cache and KV policy of speculum builds its masks and computes attention here; this
+module imports nothing else of speculum.
+
+Words used throughout:
+
+- A forward feeds ``n`` *new* tokens (the root and its draft tree, or a prefill chunk) after ``L``
+  cached ones. Their visibility is a bool mask ``[n, L + n]`` (True = visible): every cached key,
+  and among the new tokens the tree's ancestor mask (causal for a chain or a prefill chunk).
+- *Sliding-window* layers also hide keys ``window`` or more positions behind the query
+  (transformers' rule ``key_pos > query_pos - window``).
+- *Folded* queries: the ``g = H / H_kv`` query heads that share a KV head are stacked along the
+  row axis, ``[n, H, d] -> [H_kv, g*n, d]`` (row ``j*n + i`` is query ``i`` of head ``j`` of the
+  group), so grouped-query attention runs on the KV heads as stored, never on ``g`` repeated
+  copies of the cache. Masks follow the same layout: :func:`grouped` turns ``[n, L]`` bool into
+  an additive ``[g*n, L]``.
+
+Example: a root and a two-branch tree ``[root, a, b]`` with ``a`` and ``b`` both children of the
+root, after 3 cached tokens, ``g = 2``::
+
+    visibility(3, positions=[3, 4, 4], new_mask=[[1,0,0],[1,1,0],[1,0,1]], window=None)[0]
+    -> [[1,1,1, 1,0,0],
+        [1,1,1, 1,1,0],
+        [1,1,1, 1,0,1]]          # [n=3, L=6]
+    grouped(that, 2, float32)    # [g*n=6, 6]: rows 0-2 for head 0, rows 3-5 for head 1,
+                                 # 0 where visible, -inf elsewhere
+"""
+
+from __future__ import annotations
+
+import torch
+
+# folded query rows for which the explicit float32 math path beats SDPA on a CPU (see
+# use_math_attention); BENCHMARKS.md has the measurements behind the bounds
+MATH_ATTENTION_ROWS = (8, 256)
+
+
+def in_window(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """The sliding-window rule: ``key_pos [..., L]`` against ``query_pos [n]`` -> bool ``[..., n, L]``,
+    True where the key lies fewer than ``window`` positions behind the query."""
+    return key_pos[..., None, :] > query_pos[:, None] - window
+
+
+def visibility(length: int, positions: torch.Tensor, new_mask: torch.Tensor | None, window: int | None,
+               start: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Which keys ``n`` new tokens see after ``length`` cached ones: ``(full, sliding)``, each a
+    ``[n, length - start + n]`` bool mask (True = visible) over slots ``start ..`` or None
+    (everything visible).
+
+    ``positions [n]`` of the new tokens; ``new_mask [n, n]`` among them (None = causal). ``sliding``
+    also applies the window (it is ``full`` when ``window`` is None or hides nothing); cached
+    slot ``c`` holds position ``c``.
+    """
+    n = positions.shape[0]
+    dev = positions.device
+    if new_mask is None and n > 1:
+        new_mask = torch.ones(n, n, dtype=torch.bool, device=dev).tril()
+    full = None
+    if new_mask is not None:
+        full = torch.cat([torch.ones(n, length - start, dtype=torch.bool, device=dev), new_mask.to(dev)], dim=1)
+    sliding = full
+    if window is not None and int(positions.max()) - window >= start:
+        key_pos = torch.cat([torch.arange(start, length, device=dev), positions])
+        visible = in_window(key_pos, positions, window)  # [n, L]
+        if not bool(visible.all()):
+            sliding = visible if full is None else (full & visible)
+    return full, sliding
+
+
+def grouped(mask: torch.Tensor | None, group: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """``[n, L]`` bool (True = visible) -> ``[g*n, L]`` additive mask (0 / -inf) in ``dtype``, its rows
+    repeated for the ``g`` query heads that share a KV head (the folded layout). A per-KV-head mask
+    ``[H_kv, n, L]`` becomes ``[H_kv, g*n, L]`` the same way. None stays None."""
+    if mask is None:
+        return None
+    add = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return add.repeat(*([1] * (mask.dim() - 2)), group, 1)
+
+
+def fold_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``q [n, H, d]`` -> ``[H_kv, g*n, d]``: row ``j*n + i`` is query ``i`` of head ``j`` of a KV group."""
+    n, heads, d = q.shape
+    g = heads // kv_heads
+    return q.view(n, kv_heads, g, d).permute(1, 2, 0, 3).reshape(kv_heads, g * n, d)
+
+
+def unfold_rows(out: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of :func:`fold_queries` for attention outputs: ``[H_kv, g*n, d]`` -> ``[n, H*d]``."""
+    kv_heads, rows, d = out.shape
+    g = rows // n
+    return out.view(kv_heads, g, n, d).permute(2, 0, 1, 3).reshape(n, kv_heads * g * d)
+
+
+def attention_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     softcap: float | None = None) -> torch.Tensor:
+    """Float32 attention logits ``q @ k^T * scale``, soft-capped (``tanh(x / c) * c``, Gemma-2) and
+    masked: ``q [..., R, d]``, ``k [..., L, d]``, additive ``mask`` broadcastable to ``[..., R, L]``
+    -> ``[..., R, L]``."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores + mask
+    return scores
+
+
+def use_math_attention(rows: int, device: torch.device) -> bool:
+    """Whether :func:`folded_attention` should take its math path for ``rows`` folded query rows:
+    on a CPU, from verification-sized inputs up to where SDPA's flash kernel (prefill chunks) wins."""
+    lo, hi = MATH_ATTENTION_ROWS
+    return device.type == "cpu" and lo <= rows < hi
+
+
+def folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float, math: bool, softcap: float | None = None) -> torch.Tensor:
+    """Attention over folded queries.
+
+    Shapes: ``q [..., H_kv, R, d]`` (``R = g*n`` folded rows), ``k, v [..., H_kv, L, d]``, ``mask``
+    additive, broadcastable to ``[R, L]`` (see :func:`grouped`), or None. Returns ``[..., H_kv, R, d]``.
+    ``math`` (the caller's choice; forced by soft-capping) runs :func:`attention_scores`, softmax and
+    a matmul explicitly in float32; otherwise ``scaled_dot_product_attention``.
+    """
+    if not math and softcap is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return torch.matmul(attention_scores(q, k, mask, scale, softcap).softmax(-1).to(v.dtype), v)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              softcap: float | None = None) -> torch.Tensor:
+    """Grouped-query attention of ``q [n, H, d]`` over ``k, v [H_kv, L, d]`` -> ``[n, H*d]``, with the
+    folded additive ``mask [g*n, L]`` or ``[H_kv, g*n, L]`` (or None), without repeating KV heads;
+    :func:`use_math_attention` picks the kernel."""
+    qg = fold_queries(q, k.shape[0])
+    math = use_math_attention(qg.shape[1], q.device)
+    return unfold_rows(folded_attention(qg[None], k[None], v[None], mask, scale, math, softcap)[0], q.shape[0])
+
+
+def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                    softcap: float | None = None) -> torch.Tensor:
+    """Softmax attention weights ``[H_kv, g*n, L]`` (float32) of ``q [n, H, d]`` over ``k [H_kv, L, d]``,
+    for policies that score cached tokens by the attention they receive."""
+    return attention_scores(fold_queries(q, k.shape[0]), k, mask, scale, softcap).softmax(-1)
