@@ -25,6 +25,7 @@ demo: setup
 	$(BIN)/speculum bench --per-task 1 --max-new-tokens 64 --methods hf,hf_pld,ar,ngram,suffix,auto --out bench-out/demo
 
 test: setup
+	$(BIN)/lint-imports  # the layering contracts in pyproject.toml
 	$(BIN)/python -m pytest -q --durations=10
 
 lint: setup

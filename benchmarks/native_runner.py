@@ -30,9 +30,8 @@ from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.drafters.ngram import NgramDrafter
 from speculum.drafters.suffix import SuffixDrafter
 from speculum.engine import Engine
-from speculum.native import NativeRunner
 from speculum.prompts import encode_prompt
-from speculum.runner import HFRunner
+from speculum.runners import HFRunner, NativeRunner
 from speculum.tree import DraftTree
 from speculum.verify import greedy_tokens
 

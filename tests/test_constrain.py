@@ -27,7 +27,7 @@ from speculum.engine import Engine
 from speculum.errors import SpeculumError
 from speculum.methods import build_method
 from speculum.prompts import encode_prompt
-from speculum.runner import HFRunner
+from speculum.runners import HFRunner
 from speculum.sampling import SamplingParams
 from speculum.tree import DraftTree
 
@@ -291,7 +291,7 @@ def test_constrained_sampling_distribution(char_setup, drafter):
 def test_unrestricted_draft_q_is_detected(char_setup, monkeypatch):
     """Control: verifying a draft model's tokens against its unconstrained q biases the output."""
     tok, model, draft, grammar, joint = char_setup
-    monkeypatch.setattr("speculum.engine.restrict_draft_probs", lambda tree, allowed: tree)
+    monkeypatch.setattr("speculum.constrain.guide.restrict_draft_probs", lambda tree, allowed: tree)
     engine = Engine(HFRunner(model), DraftModelDrafter(draft, num_draft=2), tok, eos_token_ids=[0])
     n = 3000  # the bias is large: p ~ 1e-100 at 10k samples
     p = chi_square_p(sample_pairs(engine, grammar, n), joint, n)

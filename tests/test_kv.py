@@ -17,14 +17,15 @@ import pytest
 import torch
 from conftest import TINY_VOCAB, OracleDrafter, tiny_gemma3, tiny_llama
 
+from speculum.attention import Step
+from speculum.cache.quantized import pack, quantize, unpack
 from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.engine import Engine
 from speculum.errors import SpeculumError
 from speculum.kv import POLICIES, Budget, make_policy
-from speculum.kv.kv_quant import pack, quantize, unpack
-from speculum.kv.prefill import prefill_layerwise
 from speculum.kv.tidal import default_selection_layers
-from speculum.runner import runner_for
+from speculum.runners import runner_for
+from speculum.runners.layerwise import prefill_layerwise
 
 SPECS = ["streaming", "h2o", "snapkv", "tidal", "quest", "kv_quant"]
 
@@ -82,7 +83,7 @@ def test_layerwise_prefill_bit_identical(tiny):
     cache = runner.new_cache(128)
     for a in range(0, len(prompt), 16):  # the native runner's chunked prefill, 16-token chunks
         chunk = prompt[a:a + 16]
-        ref = runner._eager(cache, chunk, torch.arange(a, a + len(chunk)), None, last_only=True)
+        ref = runner._run(cache, chunk, Step(torch.arange(a, a + len(chunk)), None), True, ()).logits
         cache.commit()
     stored = {}
     logits = prefill_layerwise(runner.decoder, prompt, 16, None, 0, lambda i, s, kv, sc: stored.update({i: kv}))
@@ -211,3 +212,73 @@ def test_packaged_models_through_every_policy(smollm2_f32, gemma3_f32):
             spec += ":residual=100000" if spec == "kv_quant" else ""
             r = _run(model, ids, make_policy(spec, "100000"), new=24)
             assert r.tokens == base.tokens, spec
+
+
+def test_h2o_accepted_draft_tokens_vote():
+    """Under speculation every committed row adds its attention to H2O's scores, accepted draft
+    tokens included: with a budget that evicts nothing, the scores after tree steps equal those
+    after plain decoding of the same tokens (rejected siblings do not vote)."""
+    from speculum.runners import PolicyRunner
+    from speculum.tree import DraftTree
+
+    model = tiny_llama(layers=4)
+    prompt = _prompt(30, seed=6)
+    text = _run(model, prompt, new=36).tokens
+    runner = PolicyRunner(runner_for(model, "native"), make_policy("h2o", "100000"))
+    rng = random.Random(7)
+
+    def scores(chunks):
+        cache = runner.new_cache(128)
+        runner.prefill(cache, prompt[:-1])
+        root, at = prompt[-1], 0
+        for k in chunks:
+            accepted = text[at:at + k]
+            toks, parents, path, prev = [], [], [], -1
+            for tok in accepted:  # the accepted chain, with a rejected sibling before each node
+                toks.append((tok + 1 + rng.randrange(TINY_VOCAB - 1)) % TINY_VOCAB)
+                parents.append(prev)
+                toks.append(tok)
+                parents.append(prev)
+                prev = len(toks) - 1
+                path.append(prev + 1)
+            runner.forward(cache, root, DraftTree(toks, parents))
+            runner.commit(cache, [0] + path)
+            root, at = text[at + k], at + k + 1
+        return cache.score[:, :, : cache.length], cache.length
+
+    plain, n_plain = scores([0] * 26)  # 26 steps of one token
+    spec, n_spec = scores([3, 0, 5, 2, 1, 4, 0, 3])  # 8 steps: 18 accepted + 8 bonus tokens
+    assert n_plain == n_spec == len(prompt) - 1 + 26
+    torch.testing.assert_close(spec, plain, atol=1e-5, rtol=1e-4)
+
+
+def test_rolled_keys_equal_keys_roped_at_their_new_positions():
+    from speculum.attention import Rotary, rotate
+
+    torch.manual_seed(0)
+    rot = Rotary(1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16)), 1.0)
+    raw = torch.randn(3, 40, 16)  # [H_kv, m, d]
+    old = torch.arange(100, 140)
+    new = torch.arange(40)
+
+    def roped(pos):
+        cos, sin = rot.cos_sin(pos, torch.float32)  # [m, 1, d]
+        return rotate(raw, cos[:, 0], sin[:, 0])
+
+    torch.testing.assert_close(rot.shift(roped(old), new - old), roped(new), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rolling", [True, False])
+def test_streaming_runs_past_the_context_with_flat_memory(rolling):
+    """StreamingLLM's positions live inside the cache: a tiny model with a 256-token context streams
+    768 tokens (3x) in one request, its cache never beyond the budget plus slack; with text positions
+    (``rolling=0``) the same request stops at the context."""
+    model = tiny_llama(layers=2)
+    policy = make_policy(f"streaming:rolling={int(rolling)}", "48")
+    out = _run(model, _prompt(40, seed=8), policy, new=768)
+    per_entry = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x KV heads x head dim x float32
+    if rolling:
+        assert out.finish_reason == "length" and out.new_tokens == 768
+        assert out.kv_bytes <= (48 + policy.slack(48) + 1) * per_entry
+    else:
+        assert out.finish_reason == "context" and 40 + out.new_tokens == 256

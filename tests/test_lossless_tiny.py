@@ -15,7 +15,7 @@ from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.drafters.draft_model import DraftModelDrafter
 from speculum.drafters.ngram import NgramDrafter
 from speculum.engine import Engine
-from speculum.runner import HFRunner
+from speculum.runners import HFRunner
 from speculum.verify import Acceptance, Verifier
 
 NEW = 40

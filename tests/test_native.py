@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import TINY_VOCAB, OracleDrafter, tiny_gemma3, tiny_llama
 
+from speculum.cache import StaticKVCache
 from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.engine import Engine
 from speculum.errors import SpeculumError
-from speculum.native import NativeDecoder, NativeRunner, StaticKVCache
-from speculum.runner import HFRunner, runner_for, use_runner
+from speculum.runners import HFRunner, NativeDecoder, NativeRunner, runner_for, use_runner
 from speculum.tree import DraftTree
 
 WINDOW = 8
@@ -194,7 +194,7 @@ def test_runner_selection():
 def test_release_model_weights(kind, dtype):
     """Dropping transformers' copies of the layer weights changes no output; the hf paths then refuse."""
     from speculum.methods import build_method
-    from speculum.runner import packed_linear, release_model_weights
+    from speculum.runners import packed_linear, release_model_weights
 
     model = _tiny(kind, seed=7).to(dtype)
     prompt = list(range(3, 3 + 3 * WINDOW))

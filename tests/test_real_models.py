@@ -14,9 +14,8 @@ is checked apart, with trees sized to a fixed cost curve.
 import pytest
 
 from speculum.methods import build_method
-from speculum.native import NativeRunner
 from speculum.prompts import encode_prompt
-from speculum.runner import HFRunner, runner_for
+from speculum.runners import HFRunner, NativeRunner, runner_for
 from speculum.tree_sizing import CostModel
 
 pytestmark = pytest.mark.slow

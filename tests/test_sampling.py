@@ -16,7 +16,7 @@ from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.drafters.base import Drafter
 from speculum.drafters.draft_model import DraftModelDrafter
 from speculum.engine import Engine
-from speculum.runner import HFRunner
+from speculum.runners import NativeRunner
 from speculum.sampling import SamplingParams
 from speculum.tree import DraftTree
 from speculum.verify import Verifier
@@ -146,7 +146,7 @@ def test_distribution_is_not_degenerate(model):
 @pytest.mark.parametrize("variant", ["ar", "point_mass_drafts", "draft_model_q", "point_mass_tree",
                                      "sampled_tree_q"])
 def test_speculative_sampling_matches_target_distribution(model, variant):
-    runner = HFRunner(model)
+    runner = NativeRunner(model)
     if variant == "ar":
         drafter = AutoregressiveDrafter()
     elif variant == "point_mass_drafts":
@@ -170,7 +170,7 @@ def test_speculative_sampling_matches_target_distribution(model, variant):
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_skipping_residual_resampling_is_detected(model, shape):
     drafter = RandomChainDrafter() if shape == "chain" else RandomTreeDrafter(seed=1)
-    engine = Engine(HFRunner(model), drafter, eos_token_ids=[], verifier_cls=NoResidualVerifier)
+    engine = Engine(NativeRunner(model), drafter, eos_token_ids=[], verifier_cls=NoResidualVerifier)
     n = 20000
     p = chi2_pvalue(sample_pairs(engine, n, seed0=5000), exact_joint(model), n)
     assert p < 1e-6

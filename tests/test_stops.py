@@ -6,7 +6,7 @@ from conftest import TINY_VOCAB, CharTokenizer, OracleDrafter
 from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.engine import Engine
 from speculum.errors import SpeculumError
-from speculum.runner import HFRunner
+from speculum.runners import HFRunner
 
 PROMPT = [3, 1, 4, 1, 5]
 

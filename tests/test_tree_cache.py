@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from speculum.runner import HFRunner
+from speculum.runners import HFRunner
 from speculum.tree import DraftTree
 
 

@@ -20,18 +20,19 @@ from speculum.drafters.ngram import NgramDrafter
 from speculum.drafters.recycling import RecyclingDrafter
 from speculum.drafters.suffix import SuffixDrafter
 from speculum.drafters.suffix_index import SuffixIndex
+from speculum.drafters.suffix_merged import SuffixMergedDrafter
 from speculum.engine import Engine
-from speculum.runner import HFRunner
+from speculum.runners import HFRunner
 from speculum.tree import DraftTree
 from speculum.tree_sizing import CostModel, TreeSizer, best_size
 
 DRAFTERS = {
     "suffix": lambda: SuffixDrafter(),
-    "suffix_wide": lambda: SuffixDrafter(max_spec_factor=8.0, min_token_prob=0.0, max_match=4),
+    "suffix_merged_wide": lambda: SuffixMergedDrafter(max_spec_factor=8.0, min_token_prob=0.0, max_match=4),
     "recycling": lambda: RecyclingDrafter(),
-    "recycling_k2_deep": lambda: RecyclingDrafter(k=2, max_depth=30),
+    "recycling_scored_k2_deep": lambda: RecyclingDrafter(k=2, tree="scored", pair_context=True, max_depth=30),
     "ngram_tree": lambda: NgramDrafter(branches=4, branch_draft=3),
-    "mix": lambda: MixDrafter([SuffixDrafter(), RecyclingDrafter()]),
+    "mix": lambda: MixDrafter([SuffixMergedDrafter(), RecyclingDrafter(tree="scored", pair_context=True)]),
     "auto": lambda: AutoDrafter(),
 }
 
@@ -122,7 +123,7 @@ def test_suffix_longest_match_is_longest_with_continuation():
 
 def test_suffix_global_cache_drafts_previous_outputs(tiny_model):
     runner = HFRunner(tiny_model)
-    drafter = SuffixDrafter(cache_requests=2)
+    drafter = SuffixMergedDrafter(cache_requests=2)  # the global trie's bookkeeping is SuffixDrafter's
     engine = Engine(runner, drafter, eos_token_ids=[])
     prompt = [5, 17, 33, 2, 8]
     first = engine.generate(prompt, NEW)
@@ -134,12 +135,37 @@ def test_suffix_global_cache_drafts_previous_outputs(tiny_model):
     assert len(drafter.global_ids) == 2
 
 
+def test_suffix_paper_rule_uses_the_global_cache(tiny_model):
+    """The paper's rule keeps the better of the two tries' trees: on a repeated request the global
+    trie's tree (the earlier output) wins and the request needs fewer steps."""
+    runner = HFRunner(tiny_model)
+    engine = Engine(runner, SuffixDrafter(cache_requests=2), eos_token_ids=[])
+    prompt = [5, 17, 33, 2, 8]
+    first = engine.generate(prompt, NEW)
+    second = engine.generate(prompt, NEW)
+    assert second.tokens == first.tokens
+    assert second.forwards < first.forwards
+
+
+def test_suffix_paper_rule_scores_every_match_length():
+    """Each match length's tree is scored by its expected accepted tokens and the best one is drafted
+    (the module docstring's example): "c" gives d (0.5), "b c" gives d then b (0.5 + 0.5), "a b c"
+    occurred only at the end."""
+    a, b, c, d, e = 1, 2, 3, 4, 5
+    history = [b, c, d, b, c, d, b, c, e, a, b, c]
+    drafter = SuffixDrafter()
+    drafter.reset(history, None, None)
+    tree = drafter.propose(history, 8)
+    assert tree.tokens == [d, b] and tree.parents == [-1, 0]
+    assert tree.scores == pytest.approx([0.5, 0.5])
+
+
 # -- recycling -------------------------------------------------------------------------------------
 
 def test_recycling_matrix_holds_latest_topk():
     import torch
 
-    d = RecyclingDrafter(k=3)
+    d = RecyclingDrafter(k=3, tree="scored")
     logits = torch.zeros(3, 10)
     logits[0, [4, 7, 1]] = torch.tensor([3.0, 2.0, 1.0])
     logits[1, [2, 9, 5]] = torch.tensor([3.0, 2.0, 1.0])

@@ -1,7 +1,8 @@
-"""Attention: the one place that decides which keys a query sees and runs attention over them.
+"""Attention: the one place that decides which keys a query sees, where its rotary positions put it,
+and how attention over them is computed.
 
-Every runner, cache and KV policy of speculum builds its masks and computes attention here; this
-module imports nothing else of speculum.
+Every runner, cache and KV policy of speculum builds its masks, rotates its queries and keys and
+computes attention here; this module imports nothing else of speculum.
 
 Words used throughout:
 
@@ -29,12 +30,91 @@ root, after 3 cached tokens, ``g = 2``::
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 # folded query rows for which the explicit float32 math path beats SDPA on a CPU (see
 # use_math_attention); BENCHMARKS.md has the measurements behind the bounds
 MATH_ATTENTION_ROWS = (8, 256)
 
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """A model's attention as caches and KV policies see it.
+
+    ``sliding [layers]``: True for sliding-window layers (which hide keys ``window`` or more
+    positions behind the query); ``rotary [layers]``: each layer's :class:`Rotary` (where a cache
+    must move keys to new positions: StreamingLLM's rolling positions), or empty.
+    """
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    softcap: float | None = None
+    window: int | None = None
+    sliding: tuple[bool, ...] = ()
+    rotary: tuple[Rotary, ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.heads // self.kv_heads
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding) and self.sliding[layer]
+
+
+@dataclass
+class Step:
+    """What every layer's attention needs to know about one forward's ``n`` new tokens."""
+
+    positions: torch.Tensor  # [n] rotary positions
+    new_mask: torch.Tensor | None  # [n, n] bool among the new tokens (True = visible); None = causal
+
+    @property
+    def n(self) -> int:
+        return self.positions.shape[0]
+
+
+# -- rotary positions ---------------------------------------------------------------------------
+
+class Rotary:
+    """Rotary embedding with a fixed ``inv_freq [d/2]`` and attention scaling (from transformers' init)."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float):
+        self.inv_freq, self.scaling = inv_freq.float(), float(scaling)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [n]`` -> ``cos, sin [n, 1, d]`` in ``dtype`` (broadcast over heads)."""
+        freqs = positions[:, None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype)[:, None], (emb.sin() * self.scaling).to(dtype)[:, None]
+
+    def shift(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Keys ``[..., m, d]`` roped at positions ``p [m]`` -> the same keys at ``p + delta``, computed
+        in float32 (rotations compose: ``R(p + delta) = R(delta) R(p)``; the attention scaling, already
+        applied once, is not applied again). ``delta [m]`` integer offsets."""
+        freqs = delta[:, None].float() * self.inv_freq  # [m, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [m, d]
+        return rotate(keys.float(), emb.cos(), emb.sin()).to(keys.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x [..., d]`` (transformers' ``x cos + rotate_half(x) sin``)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+def rotate_fused(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate` in three kernels: ``rotate_half(x) sin == roll(x, d/2) * [-sin_1, sin_2]``."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+# -- visibility ---------------------------------------------------------------------------------
 
 def in_window(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int) -> torch.Tensor:
     """The sliding-window rule: ``key_pos [..., L]`` against ``query_pos [n]`` -> bool ``[..., n, L]``,
@@ -68,6 +148,28 @@ def visibility(length: int, positions: torch.Tensor, new_mask: torch.Tensor | No
     return full, sliding
 
 
+def padded_visibility(length: torch.Tensor, positions: torch.Tensor, tree: torch.Tensor, keys: int,
+                      window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`visibility` for a fixed-shape step (CUDA-graph capture: no host synchronisation).
+
+    ``B`` rows (the real new tokens, then padding) are written at slots ``length .. length+B-1`` of
+    a buffer whose first ``keys`` slots are attended. ``length [1]`` committed slots,
+    ``positions [B]``, ``tree [B, B]`` bool ancestor mask (padding rows see only themselves).
+    Returns ``(full, sliding)`` bool ``[B, keys]``: committed slots are visible (within the window on
+    sliding layers, key position = slot), the new block follows ``tree``, later slots are hidden.
+    """
+    b = positions.shape[0]
+    dev = positions.device
+    rel = torch.arange(keys, device=dev) - length  # [K] slot index relative to the new block
+    past = rel < 0
+    new_col = rel.clamp(0, b - 1)
+    visible = past[None, :] | (tree[:, new_col] & (rel < b)[None, :])  # [B, K]
+    if window is None:
+        return visible, visible
+    key_pos = torch.where(past, torch.arange(keys, device=dev), positions[new_col])  # [K]
+    return visible, visible & in_window(key_pos, positions, window)
+
+
 def grouped(mask: torch.Tensor | None, group: int, dtype: torch.dtype) -> torch.Tensor | None:
     """``[n, L]`` bool (True = visible) -> ``[g*n, L]`` additive mask (0 / -inf) in ``dtype``, its rows
     repeated for the ``g`` query heads that share a KV head (the folded layout). A per-KV-head mask
@@ -77,6 +179,8 @@ def grouped(mask: torch.Tensor | None, group: int, dtype: torch.dtype) -> torch.
     add = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     return add.repeat(*([1] * (mask.dim() - 2)), group, 1)
 
+
+# -- attention ----------------------------------------------------------------------------------
 
 def fold_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """``q [n, H, d]`` -> ``[H_kv, g*n, d]``: row ``j*n + i`` is query ``i`` of head ``j`` of a KV group."""

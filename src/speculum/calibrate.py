@@ -5,8 +5,9 @@
 the median of several interleaved repetitions after a warm-up. The result, a
 :class:`~speculum.tree_sizing.CostModel`, is cached by :func:`load_or_measure` as JSON under
 ``$SPECULUM_CACHE/calibration/`` keyed by the model's configuration, dtype, device, thread count
-and library versions, so it is measured once per model x dtype x device.
-``speculum calibrate`` runs it from the command line and plots the curve.
+and library versions, so it is measured once per model x dtype x device (and remembered in this
+process by the same key). ``speculum calibrate`` runs it from the command line and
+:func:`write_report` renders the curves: a Markdown table, JSON and a plot.
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from .tree import DraftTree
-from .tree_sizing import CostModel
+from .tree_sizing import CostModel, best_size
 from .verify import greedy_tokens
 
 TOKEN_COUNTS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
@@ -45,7 +48,7 @@ def calibration_key(runner) -> str:
     """A hash of everything the forward cost depends on."""
     import transformers
 
-    cfg = runner.model.config.to_json_string(use_diff=False)
+    cfg = runner.config.to_json_string(use_diff=False)
     parts = [str(FORMAT), cfg, str(runner.dtype), str(runner.device), _machine(), torch.__version__,
              transformers.__version__, os.environ.get("SPECULUM_PACKED_LINEAR", "1"), type(runner).__name__,
              getattr(runner, "variant", "")]
@@ -98,12 +101,18 @@ def _path(key: str):
     return cache_dir() / "calibration" / f"{key}.json"
 
 
-def load_or_measure(runner, progress: bool = False, force: bool = False) -> CostModel:
-    """The runner's cost model: from memory, from disk, or measured now (and saved)."""
-    cached = getattr(runner, "_cost_model", None)
-    if cached is not None and not force:
-        return cached
-    key = calibration_key(runner)
+_MEASURED: dict[str, CostModel] = {}  # calibration key -> cost model, for this process
+
+
+def load_or_measure(runner, progress: bool = False, force: bool = False,
+                    announce: Callable[[], None] | None = None, contexts: list[int] | None = None) -> CostModel:
+    """The runner's cost model: from memory, from disk, or measured now (and saved); ``announce`` is
+    called before a measurement starts (to tell the user why the run pauses). ``contexts``: context
+    lengths to time (default :data:`CONTEXTS`, the curve the tree sizer reads; others are kept apart)."""
+    contexts = list(contexts or CONTEXTS)
+    key = calibration_key(runner) + ("" if contexts == CONTEXTS else "-" + "-".join(map(str, contexts)))
+    if key in _MEASURED and not force:
+        return _MEASURED[key]
     path = _path(key)
     cost = None
     if path.exists() and not force:
@@ -112,10 +121,86 @@ def load_or_measure(runner, progress: bool = False, force: bool = False) -> Cost
         except (ValueError, KeyError):
             cost = None
     if cost is None:
-        cost = measure(runner, progress=progress)
+        if announce is not None:
+            announce()
+        cost = measure(runner, contexts=contexts, progress=progress)
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"model": getattr(runner.model.config, "_name_or_path", ""), "dtype": str(runner.dtype),
+        meta = {"model": getattr(runner.config, "_name_or_path", ""), "dtype": str(runner.dtype),
                 "device": str(runner.device), "machine": _machine(), "cost": cost.to_dict()}
         path.write_text(json.dumps(meta, indent=1))
-    runner._cost_model = cost
+    _MEASURED[key] = cost
     return cost
+
+
+def report_text(curves: dict[str, CostModel]) -> str:
+    """A Markdown table per curve (label, e.g. a dtype -> cost model): forward time by context and token
+    count, and the tree budget it implies for :data:`REFERENCE_SCORES`."""
+    lines = []
+    for label, cost in curves.items():
+        lines += [f"{label}: forward time in ms (rows: context length; columns: tokens in the forward)", "",
+                  "| context | " + " | ".join(str(n) for n in cost.tokens) + " | tree budget |",
+                  "|---:|" + "---:|" * (len(cost.tokens) + 1)]
+        for ctx, row in zip(cost.contexts, cost.seconds):
+            lines.append(f"| {ctx} | " + " | ".join(f"{1000 * s:.1f}" for s in row)
+                         + f" | {best_size(REFERENCE_SCORES, cost, ctx)} |")
+        lines.append("")
+    lines.append("tree budget: nodes kept for a reference tree whose i-th best node is accepted with "
+                 "probability 0.8 * 0.93^i (the sizer uses each drafter's learnt scores instead).")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out_dir: str | Path, curves: dict[str, CostModel], runners: dict[str, str]) -> tuple[str, Path]:
+    """Write ``calibration.json``, ``calibration.md`` and ``calibration.png`` into ``out_dir``;
+    ``runners``: label -> runner kind. Returns the Markdown text and the directory."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {label: {"runner": runners[label], "cost": cost.to_dict(),
+                      "budget": {str(c): best_size(REFERENCE_SCORES, cost, c) for c in cost.contexts}}
+              for label, cost in curves.items()}
+    text = report_text(curves)
+    (out / "calibration.json").write_text(json.dumps(report, indent=1))
+    (out / "calibration.md").write_text(text)
+    plot(curves, out / "calibration.png")
+    return text, out
+
+
+def plot(curves: dict[str, CostModel], path: str | Path) -> None:
+    """Left: forward time against tree tokens, one line per (label, context). Middle: the same
+    relative to one token (what the sizer trades against acceptance). Right: expected tokens per
+    second against drafted nodes for :data:`REFERENCE_SCORES`, the chosen budget marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4))
+    for k, (label, cost) in enumerate(curves.items()):
+        color = f"C{k}"
+        for j, ctx in enumerate(cost.contexts):
+            left.plot(cost.tokens, [1000 * s for s in cost.seconds[j]], marker="o", ms=3, color=color,
+                      alpha=1.0 - 0.25 * j, label=f"{label}, context {ctx}")
+            mid.plot(cost.tokens, [s / cost.seconds[j][0] for s in cost.seconds[j]], marker="o", ms=3,
+                     color=color, alpha=1.0 - 0.25 * j, label=f"{label}, context {ctx}")
+        ctx = cost.contexts[0]
+        nodes = list(range(min(64, len(REFERENCE_SCORES)) + 1))
+        rate = [(1 + sum(REFERENCE_SCORES[:n])) / cost.cost(n + 1, ctx) for n in nodes]
+        right.plot(nodes, rate, color=color, label=f"{label} (context {ctx})")
+        best = best_size(REFERENCE_SCORES, cost, ctx)
+        right.axvline(best, color=color, ls="--", lw=0.8)
+        right.annotate(f"budget {best}", (best, rate[best]), color=color, fontsize=8,
+                       xytext=(4, 4), textcoords="offset points")
+    left.set_xlabel("tokens in one forward (root + tree)")
+    left.set_ylabel("forward time (ms)")
+    left.set_title("verification cost")
+    left.legend(fontsize=7)
+    mid.set_xlabel("tokens in one forward (root + tree)")
+    mid.set_ylabel("time relative to one token")
+    mid.set_title("relative cost")
+    mid.legend(fontsize=7)
+    right.set_xlabel("drafted nodes kept")
+    right.set_ylabel("expected tokens / second")
+    right.set_title("reference tree: node i accepted w.p. 0.8 * 0.93^i")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

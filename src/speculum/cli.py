@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     c.add_argument("--runners", default="auto",
                    help="comma-separated runners to calibrate: auto, native, hf (default: %(default)s)")
+    c.add_argument("--contexts", default=None,
+                   help="comma-separated context lengths to time (default: 64,512,2048; the tree sizer reads "
+                        "the default curve, so other lengths are for reports)")
     c.add_argument("--force", action="store_true", help="measure again even if a cached curve exists")
     c.add_argument("--out", default="calibration", help="directory for calibration.json/.md/.png "
                                                           "(default: %(default)s)")
@@ -193,33 +196,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _constraint(args):
+    """The constraint ``generate`` was given (files read here; the rest is shared with the server)."""
     from pathlib import Path
 
-    from .constrain import ConstraintSpec
+    from .constrain import pick_constraint
 
-    given = [(k, v) for k, v in (("json_schema", args.json_schema), ("json_object", args.json_object or None),
-                                 ("regex", args.regex), ("choice", args.choice), ("grammar", args.grammar))
-             if v is not None]
-    if len(given) > 1:
-        raise SpeculumError("give at most one of --json-schema, --json-object, --regex, --choice, --grammar")
-    if not given:
-        return None
-    kind, value = given[0]
-    if kind in ("json_schema", "grammar"):
-        path = Path(value)
-        if not path.is_file():
-            raise SpeculumError(f"{value} is not a file")
-        value = path.read_text()
-    if kind == "choice":
-        return ConstraintSpec.choice([c.strip() for c in value.split(",") if c.strip()])
-    if kind == "json_schema":
-        from .constrain.spec import strict_schema
+    def read(path: str | None) -> str | None:
+        if path is not None and not Path(path).is_file():
+            raise SpeculumError(f"{path} is not a file")
+        return None if path is None else Path(path).read_text()
 
+    choice = None if args.choice is None else [c.strip() for c in args.choice.split(",") if c.strip()]
+    schema = read(args.json_schema)
+    if schema is not None:
         try:
-            return ConstraintSpec.json_schema(strict_schema(json.loads(value)))
+            schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise SpeculumError(f"{args.json_schema} is not valid JSON: {e}") from None
-    return ConstraintSpec(kind, None if kind == "json_object" else value)
+    spec = pick_constraint(json_schema=schema, json_object=args.json_object, regex=args.regex, choice=choice,
+                           grammar=read(args.grammar),
+                           names="--json-schema, --json-object, --regex, --choice, --grammar")
+    if spec is not None:
+        spec.grammar()  # a malformed constraint fails now, before any weights load
+    return spec
 
 
 def _sampling(args):
@@ -229,40 +228,14 @@ def _sampling(args):
 
 
 def _load(args, methods: list[str], prompt: str | None = None):
-    """``(model, tokenizer, draft, draft_tokenizer)`` for ``methods``, after every check that needs no weights.
+    from .methods import load_checked
 
-    A model's first load dequantizes it and prints progress; the mistakes that tokenizers and
-    configurations reveal (a missing or incompatible draft model, a prompt longer than the context)
-    are caught before it, so their one-line error is all the user sees.
-    """
-    from .drafters.draft_model import check_same_tokenizer
-    from .engine import check_prompt_fits
-    from .methods import NEEDS_DRAFT, check_method
-    from .models import context_length, load, load_tokenizer_and_config, parse_dtype
-    from .prompts import encode_prompt
-    from .runner import use_runner
-
-    parse_dtype(args.dtype)
-    for name in methods:
-        check_method(name, bool(args.draft_model))
-    tok, config = load_tokenizer_and_config(args.model)
-    if prompt is not None:
-        check_prompt_fits(len(encode_prompt(tok, prompt, args.chat)), context_length(config))
-    draft_tok = None
-    if args.draft_model:
-        draft_tok, _ = load_tokenizer_and_config(args.draft_model)
-        if any(name in NEEDS_DRAFT for name in methods):
-            check_same_tokenizer(tok, draft_tok)
-    model, tok = load(args.model, args.dtype, args.device, tokenizer=tok)
-    use_runner(model, args.runner)
-    draft = None
-    if args.draft_model:
-        draft, draft_tok = load(args.draft_model, args.dtype, args.device, tokenizer=draft_tok)
-        use_runner(draft, args.runner)
-    return model, tok, draft, draft_tok
+    return load_checked(args.model, methods, args.draft_model, args.dtype, args.device, args.runner, prompt,
+                        args.chat)
 
 
 def cmd_generate(args) -> int:
+    from .kv import make_policy
     from .methods import build_method
     from .prompts import encode_prompt
     from .text_stream import StreamingText
@@ -275,14 +248,11 @@ def cmd_generate(args) -> int:
     spec = _constraint(args)
     if args.close_reserve < 0 or (args.close_reserve and spec is None):
         raise SpeculumError("--close-reserve takes a token count >= 0, with a constraint (--json-schema, ...)")
-    from .kv import make_policy
-
     policy = make_policy(args.kv_policy, args.kv_budget)
     model, tok, draft, draft_tok = _load(args, [args.method], args.prompt)
     method = build_method(args.method, model, tok, draft, draft_tok, kv_policy=policy)
     grammar = method.compile(spec, args.close_reserve) if spec is not None else None
     ids = encode_prompt(tok, args.prompt, args.chat)
-
     text = StreamingText(tok, args.stop)
 
     def stream(chunk: list[int]) -> None:
@@ -300,6 +270,10 @@ def cmd_generate(args) -> int:
         print(f"[{result.new_tokens} tokens, {result.tok_s:.1f} tok/s, {result.mean_accepted:.2f} tokens/step, "
               f"{result.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def _settings(args) -> dict:
+    return {k: v for k, v in vars(args).items() if k not in ("func", "command")}
 
 
 def cmd_bench(args) -> int:
@@ -322,7 +296,16 @@ def cmd_bench(args) -> int:
     parse_dtype(args.dtype)
     sampling = _sampling(args)
     if args.workload == "structured":
-        return _bench_structured(args, methods)
+        from .bench.structured import bench_structured, check_settings
+
+        cases = check_settings(args.schemas, args.n_schemas, methods, args.temperature, args.close_reserve)
+        model, tok, _, _ = _load(args, methods)
+        text, out = bench_structured(model, tok, cases, methods, args.n_schemas, args.max_new_tokens, args.chat,
+                                     not args.no_progress, args.close_reserve,
+                                     bench_meta(model, args.dtype, _settings(args)), args.out)
+        print(text)
+        print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'per_schema.jsonl'}")
+        return 0
     if args.workload == "repeated":
         prompts = repeated_workload(load_prompts(args.data or repeated_prompts_path(), args.per_task), args.rounds)
     else:
@@ -330,67 +313,17 @@ def cmd_bench(args) -> int:
     model, tok, draft, draft_tok = _load(args, methods)
     results, records = run_benchmark(model, tok, prompts, methods, args.max_new_tokens, sampling, args.chat,
                                      draft, draft_tok, seed=args.seed or 0, progress=not args.no_progress)
-    device = next(model.parameters()).device
-    settings = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    meta = bench_meta(model, args.dtype, device, settings)
+    meta = bench_meta(model, args.dtype, _settings(args))
     out = write_outputs(args.out, results, records, meta)
     print(markdown_table({**meta, **results}))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'speedup.png'}")
     return 0
 
 
-def _bench_structured(args, methods: list[str]) -> int:
-    from .bench.harness import bench_meta
-    from .bench.structured import (
-        coverage,
-        load_schemas,
-        markdown,
-        run_structured,
-        select,
-        summarize_structured,
-        write_structured,
-    )
-    from .engine import default_eos_ids
-    from .runner import runner_for
-
-    if not args.schemas:
-        raise SpeculumError("--workload structured needs --schemas FILE (e.g. "
-                            "../shared/data/jsonschemabench/schemas_dev.jsonl)")
-    cases = load_schemas(args.schemas)
-    if args.n_schemas < 1:
-        raise SpeculumError("--n-schemas must be at least 1")
-    if args.temperature != 0:
-        raise SpeculumError("the structured benchmark is greedy: leave --temperature at 0")
-    if args.close_reserve < 0:
-        raise SpeculumError("--close-reserve must be >= 0")
-    bad = [m for m in methods if m in ("hf_pld", "hf_assisted", "draft_model")]
-    if bad:
-        raise SpeculumError(f"the structured benchmark runs hf and speculum's engine methods, not {', '.join(bad)}")
-    model, tok, _, _ = _load(args, methods)
-    width = model.get_output_embeddings().weight.shape[0]
-    cov = coverage(cases, tok, width, default_eos_ids(model, tok))
-    used = select(cases, cov, args.n_schemas, tok, runner_for(model).max_positions, args.max_new_tokens, args.chat)
-    records = run_structured(model, tok, used, methods, args.max_new_tokens, args.chat, not args.no_progress,
-                             close_reserve=args.close_reserve)
-    summary = summarize_structured(records, methods)
-    device = next(model.parameters()).device
-    settings = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
-    meta = {**bench_meta(model, args.dtype, device, settings), "max_new_tokens": args.max_new_tokens,
-            "close_reserve": args.close_reserve}
-    out = write_structured(args.out, summary, records, cov, used, meta)
-    print(markdown(summary, cov, used, meta))
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'per_schema.jsonl'}")
-    return 0
-
-
 def cmd_calibrate(args) -> int:
-    from pathlib import Path
-
-    from .bench.report import calibration_plot
-    from .calibrate import REFERENCE_SCORES, load_or_measure
+    from .calibrate import CONTEXTS, load_or_measure, write_report
     from .models import load, parse_dtype
-    from .runner import RUNNER_KINDS, runner_for
-    from .tree_sizing import best_size
+    from .runners import RUNNER_KINDS, runner_for
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     kinds = [k.strip() for k in args.runners.split(",") if k.strip()]
@@ -398,98 +331,48 @@ def cmd_calibrate(args) -> int:
         raise SpeculumError("--dtypes is empty")
     if not kinds or any(k not in RUNNER_KINDS for k in kinds):
         raise SpeculumError(f"--runners takes a comma-separated list of {', '.join(RUNNER_KINDS)}")
+    try:
+        contexts = [int(c) for c in args.contexts.split(",") if c.strip()] if args.contexts else CONTEXTS
+    except ValueError:
+        raise SpeculumError("--contexts takes comma-separated token counts, e.g. 64,512") from None
+    if not contexts or min(contexts) < 1:
+        raise SpeculumError("--contexts takes positive token counts")
     for d in dtypes:
         parse_dtype(d)
-    curves, report = {}, {}
+    curves, labels = {}, {}
     for d in dtypes:
         model, _ = load(args.model, d, args.device)
         for kind in kinds:
             runner = runner_for(model, kind)
             label = d if len(kinds) == 1 else f"{d} {type(runner).__name__}"
-            cost = load_or_measure(runner, progress=True, force=args.force)
-            curves[label] = cost
-            report[label] = {"runner": type(runner).__name__, "cost": cost.to_dict(),
-                             "budget": {str(c): best_size(REFERENCE_SCORES, cost, c) for c in cost.contexts}}
+            curves[label] = load_or_measure(runner, progress=True, force=args.force, contexts=contexts)
+            labels[label] = type(runner).__name__
         del model, runner
-    lines = []
-    for d, cost in curves.items():
-        lines += [f"{d}: forward time in ms (rows: context length; columns: tokens in the forward)", "",
-                  "| context | " + " | ".join(str(n) for n in cost.tokens) + " | tree budget |",
-                  "|---:|" + "---:|" * (len(cost.tokens) + 1)]
-        for ctx, row in zip(cost.contexts, cost.seconds):
-            lines.append(f"| {ctx} | " + " | ".join(f"{1000 * s:.1f}" for s in row)
-                         + f" | {report[d]['budget'][str(ctx)]} |")
-        lines.append("")
-    lines.append("tree budget: nodes kept for a reference tree whose i-th best node is accepted with "
-                 "probability 0.8 * 0.93^i (the sizer uses each drafter's learnt scores instead).")
-    text = "\n".join(lines) + "\n"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "calibration.json").write_text(json.dumps(report, indent=1))
-    (out / "calibration.md").write_text(text)
-    calibration_plot(curves, out / "calibration.png", REFERENCE_SCORES)
+    text, out = write_report(args.out, curves, labels)
     print(text)
     print(f"wrote {out / 'calibration.json'}, {out / 'calibration.md'}, {out / 'calibration.png'}")
     return 0
 
 
-def _release_if_native(model) -> None:
-    """Drop transformers' copies of the layer weights when ``model`` runs on the native runner (which
-    holds its own): for commands that never run the ``hf`` methods."""
-    from .native import NativeRunner
-    from .runner import release_model_weights, runner_for
-
-    if isinstance(runner_for(model), NativeRunner):
-        release_model_weights(model)
-
-
-LONGCTX_ONEDNN_CACHE = 16  # oneDNN primitive cache capacity under `speculum longctx` (see there)
-
-
 def cmd_longctx(args) -> int:
     import shlex
 
-    from .bench.longctx import markdown, run_longctx, write_outputs
-    from .bench.ruler import TASKS
-    from .kv import Budget, make_policy
-    from .models import load
+    import torch
 
-    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]
-    try:
-        lengths = [int(x) for x in split(args.lengths)]
-    except ValueError:
-        raise SpeculumError("--lengths takes comma-separated token counts, e.g. 1024,2048") from None
-    if not lengths or min(lengths) < 256:
-        raise SpeculumError("--lengths: give lengths of at least 256 tokens")
-    tasks, policies, budgets = split(args.tasks), split(args.policies), split(args.budget)
-    if unknown := [t for t in tasks if t not in TASKS]:
-        raise SpeculumError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
-    if not tasks or not policies or not budgets:
-        raise SpeculumError("--tasks, --policies and --budget must not be empty")
-    if args.samples < 1:
-        raise SpeculumError("--samples must be at least 1")
-    values = split(args.values)
-    if not values or any(v not in ("number", "word", "uuid") for v in values):
-        raise SpeculumError("--values takes number, word and/or uuid, comma-separated")
-    for b in budgets:
-        Budget.parse(b)
-    for p in policies:
-        make_policy(p, budgets[0])
-    if "full" in policies:  # the baseline runs first
-        policies = ["full"] + [p for p in policies if p != "full"]
-    # oneDNN keeps the kernels it compiled for every input shape it has met, up to 1024. Each prompt
-    # length of the suite leaves a few behind: resident memory grew 45 MiB over the 27 runs at 2k,
-    # 22 MiB with a cap of 16 (measured). A policy run uses a handful of shapes (one token, a prefill
-    # chunk), so 16 cost no time there. Read when oneDNN compiles its first kernel, so before the
-    # model loads; a value set by the user is kept.
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(LONGCTX_ONEDNN_CACHE))
+    from .bench.longctx import ONEDNN_CACHE, Suite, markdown, run_longctx, write_outputs
+    from .models import load
+    from .runners import release_if_native
+
+    suite = Suite.parse(args.lengths, args.tasks, args.policies, args.budget, args.samples, args.values)
+    # read when oneDNN compiles its first kernel, so before the model loads; a value set by the user is kept
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE))
     model, tok = load(args.model, args.dtype, args.device)
-    _release_if_native(model)  # the suite runs nothing else
-    records = run_longctx(model, tok, lengths, tasks, policies, budgets, args.samples, args.protocol, args.chat,
-                          values=tuple(values))
+    release_if_native(model)  # the suite runs nothing else
+    records = run_longctx(model, tok, suite.lengths, suite.tasks, suite.policies, suite.budgets, suite.samples,
+                          args.protocol, args.chat, values=tuple(suite.values))
     meta = {"command": "speculum " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "model": args.model,
-            "values": values,
-            "dtype": args.dtype, "protocol": args.protocol, "threads": torch_threads(),
+            "values": suite.values, "dtype": args.dtype, "protocol": args.protocol,
+            "threads": torch.get_num_threads(),
             "onednn_primitive_cache": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
     rows = write_outputs(args.out, records, meta)
     print(markdown(rows))
@@ -497,17 +380,11 @@ def cmd_longctx(args) -> int:
     return 0
 
 
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
 def cmd_serve(args) -> int:
     import uvicorn
 
     from .models import load
-    from .runner import use_runner
+    from .runners import release_if_native, use_runner
     from .server import ServerState, create_app
     from .server.app import SERVABLE_METHODS
 
@@ -519,7 +396,7 @@ def cmd_serve(args) -> int:
         raise SpeculumError("--port must be in 1..65535")
     model, tok = load(args.model, args.dtype, args.device)
     use_runner(model, args.runner)
-    _release_if_native(model)  # the server runs only engine methods
+    release_if_native(model)  # the server runs only engine methods
     state = ServerState(model, tok, args.served_model_name or args.model, args.method, args.max_queue,
                         args.max_tree)
     print(f"speculum: serving {state.model_name!r} ({args.method}) on http://{args.host}:{args.port}/v1",

@@ -1,50 +1,44 @@
-"""Decoding methods by name: speculum's engine methods and transformers' reference baselines.
+"""Decoding methods by name: speculum's engine methods (one per registered drafter) and transformers'
+reference baselines.
 
-Every method has ``run(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens) ->
-GenerationResult`` so that the CLI and the benchmark treat them alike.
+Every method has ``run(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, grammar) ->
+GenerationResult`` and ``compile(spec, close_reserve) -> Grammar``, so that the CLI, the server and
+the benchmark treat them alike.
 
-=============== ==================================================================================
-``ar``          plain decoding through speculum's engine (the baseline for ``speedup_vs_ar``)
-``ngram``       prompt lookup with an incremental index and adaptive draft length
-``ngram_tree``  prompt lookup drafting a tree from several matches
-``suffix``      SuffixDecoding: suffix tries over this request and previous outputs
-``recycling``   Token Recycling: an adjacency matrix of recent top-k candidates, grown into a tree
-``mix``         suffix and recycling candidates merged into one tree
-``auto``        a bandit over mix / ngram / none by measured tokens per second
-``draft_model`` a smaller model with the same tokenizer drafts chains (needs ``draft_model=``)
-``hf``          ``model.generate`` (transformers' own plain decoding; ``speedup_vs_hf``)
-``hf_pld``      ``model.generate(prompt_lookup_num_tokens=10)``
-``hf_assisted`` ``model.generate(assistant_model=draft)`` (needs ``draft_model=``)
-=============== ==================================================================================
+- Engine methods: the names of :data:`speculum.drafters.DRAFTERS` (``ar``, ``ngram``, ``suffix``,
+  ``recycling``, ``auto``, ...). Each is an :class:`~speculum.engine.Engine` with that drafter; those
+  whose trees carry scores are sized to the hardware's measured cost curve.
+- ``hf``: ``model.generate`` (transformers' own plain decoding; ``speedup_vs_hf``);
+  ``hf_pld``: ``model.generate(prompt_lookup_num_tokens=10)``; ``hf_assisted``:
+  ``model.generate(assistant_model=draft)``, with transformers' universal assisted decoding when the
+  draft model's tokenizer differs from the target's.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from .calibrate import load_or_measure
-from .drafters.ar import AutoregressiveDrafter
-from .drafters.auto import AutoDrafter
-from .drafters.draft_model import DraftModelDrafter, check_same_tokenizer
-from .drafters.mix import MixDrafter
-from .drafters.ngram import NgramDrafter
-from .drafters.recycling import RecyclingDrafter
-from .drafters.suffix import SuffixDrafter
-from .engine import Engine, GenerationResult, cut_at_stop, default_eos_ids
+from .constrain.matcher import compile_constraint
+from .drafters import DRAFTERS
+from .drafters.draft_model import check_same_tokenizer
+from .engine import Engine, GenerationResult, default_eos_ids
 from .errors import SpeculumError
-from .runner import HFRunner, runner_for, weights_released
+from .runners import Runner, runner_for, weights_released
 from .sampling import SamplingParams
+from .stops import cut_at_stop
 from .tree_sizing import CostModel, TreeSizer
 
-ENGINE_METHODS = ("ar", "ngram", "ngram_tree", "suffix", "recycling", "mix", "auto", "draft_model")
+ENGINE_METHODS = tuple(DRAFTERS)
 # drafters whose trees carry scores: the engine sizes them to the hardware's calibrated cost curve
-SIZED_METHODS = ("suffix", "recycling", "mix", "auto")
+SIZED_METHODS = tuple(name for name, entry in DRAFTERS.items() if entry.scored)
 HF_METHODS = ("hf", "hf_pld", "hf_assisted")
 METHODS = ENGINE_METHODS + HF_METHODS
-NEEDS_DRAFT = ("draft_model", "hf_assisted")
+NEEDS_DRAFT = tuple(name for name, entry in DRAFTERS.items() if entry.needs_draft_model) + ("hf_assisted",)
 
 
 class EngineMethod:
@@ -66,9 +60,10 @@ class EngineMethod:
 class HFMethod:
     """transformers ``generate`` as a reference; counts target forward passes with a hook."""
 
-    def __init__(self, name: str, model, tokenizer, assistant=None, prompt_lookup: int | None = None):
+    def __init__(self, name: str, model, tokenizer, assistant=None, assistant_tokenizer=None,
+                 prompt_lookup: int | None = None):
         self.name, self.model, self.tokenizer = name, model, tokenizer
-        self.assistant, self.prompt_lookup = assistant, prompt_lookup
+        self.assistant, self.assistant_tokenizer, self.prompt_lookup = assistant, assistant_tokenizer, prompt_lookup
         self.eos_ids = default_eos_ids(model, tokenizer)
         self._calls = 0
         self._first_done: float | None = None
@@ -80,10 +75,8 @@ class HFMethod:
             self._first_done = time.perf_counter()
 
     def compile(self, spec, close_reserve: int = 0):
-        from .constrain import Grammar
-
         width = self.model.get_output_embeddings().weight.shape[0]
-        return Grammar(spec, self.tokenizer, width, self.eos_ids, close_reserve)
+        return compile_constraint(spec, self.tokenizer, width, self.eos_ids, close_reserve)
 
     def run(self, prompt_ids, max_new_tokens=128, sampling=None, stop=(), seed=None, on_tokens=None,
             grammar=None):
@@ -108,6 +101,8 @@ class HFMethod:
         kwargs = {"generation_config": cfg, "tokenizer": self.tokenizer}
         if self.assistant is not None:
             kwargs["assistant_model"] = self.assistant
+            if self.assistant_tokenizer is not None:  # universal assisted decoding
+                kwargs["assistant_tokenizer"] = self.assistant_tokenizer
         if grammar is not None:
             from transformers import LogitsProcessorList
 
@@ -150,57 +145,103 @@ def check_method(name: str, has_draft_model: bool) -> None:
         raise SpeculumError(f"method {name!r} needs a draft model (--draft-model)")
 
 
+def check_draft(name: str, model, tokenizer, draft_model, draft_tokenizer) -> None:
+    """Raise :class:`SpeculumError` where ``draft_model`` cannot draft for ``model`` under method ``name``:
+    ``draft_model`` needs the same vocabulary; ``hf_assisted`` takes another tokenizer when
+    transformers can map between them (universal assisted decoding needs the vocabularies' sizes
+    to differ, which is how it tells the case apart)."""
+    if name == "hf_assisted":
+        same = tokenizer is None or draft_tokenizer is None or tokenizer.get_vocab() == draft_tokenizer.get_vocab()
+        sizes = [m.config.get_text_config().vocab_size for m in (model, draft_model)]
+        if not same and sizes[0] == sizes[1]:
+            raise SpeculumError("hf_assisted: the draft model's tokenizer differs from the target's but its "
+                                "vocabulary has the same size, which transformers' universal assisted decoding "
+                                "cannot tell apart from a shared tokenizer")
+        return
+    check_same_tokenizer(tokenizer, draft_tokenizer)
+    tw = model.get_output_embeddings().weight.shape[0]
+    dw = draft_model.get_output_embeddings().weight.shape[0]
+    if tw != dw:
+        raise SpeculumError(f"draft model's logits are {dw} wide, the target's {tw}: not the same vocabulary")
+
+
 def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=None,
-                 runner: HFRunner | None = None, cost_model: CostModel | None = None, **options):
+                 runner: Runner | None = None, cost_model: CostModel | None = None, **options):
     """Make the method ``name`` for ``model``.
 
     Args:
         draft_model / draft_tokenizer: for ``draft_model`` and ``hf_assisted``.
-        runner: share one target runner between several engine methods.
+        runner: share one target runner between several engine methods (default: ``runner_for(model)``).
         cost_model: the forward-cost curve that sizes the trees of :data:`SIZED_METHODS`; by default
-            the runner's calibrated curve (measured now, with a progress bar, if none is cached).
+            the runner's calibrated curve, measured now (saying so on stderr) if none is cached.
         options: drafter settings, e.g. ``max_draft=12`` for ``ngram``, ``num_draft=4`` for
             ``draft_model``, ``max_tree`` for the engine, ``kv_policy`` (a :class:`~speculum.kv.KVPolicy`).
     """
     check_method(name, draft_model is not None)
     if name in NEEDS_DRAFT:
-        check_same_tokenizer(tokenizer, draft_tokenizer)
-        if name == "draft_model":
-            tw = model.get_output_embeddings().weight.shape[0]
-            dw = draft_model.get_output_embeddings().weight.shape[0]
-            if tw != dw:
-                raise SpeculumError(f"draft model's logits are {dw} wide, the target's {tw}: not the same vocabulary")
+        check_draft(name, model, tokenizer, draft_model, draft_tokenizer)
     kv_policy = options.pop("kv_policy", None)
-    if kv_policy is not None and name in HF_METHODS:
-        raise SpeculumError(f"method {name!r} runs transformers' generate, which takes no speculum KV policy")
-    if name in HF_METHODS and weights_released(model):
-        raise SpeculumError(f"method {name!r} runs transformers' generate, but this model's layer weights were "
-                            "released to the native runner; load the model again")
-    if name == "hf":
+    if name in HF_METHODS:
+        if kv_policy is not None:
+            raise SpeculumError(f"method {name!r} runs transformers' generate, which takes no speculum KV policy")
+        if weights_released(model):
+            raise SpeculumError(f"method {name!r} runs transformers' generate, but this model's layer weights "
+                                "were released to the native runner; load the model again")
+        if name == "hf_pld":
+            return HFMethod(name, model, tokenizer, prompt_lookup=options.get("prompt_lookup_num_tokens", 10))
+        if name == "hf_assisted":
+            other = draft_tokenizer is not None and tokenizer.get_vocab() != draft_tokenizer.get_vocab()
+            return HFMethod(name, model, tokenizer, assistant=draft_model,
+                            assistant_tokenizer=draft_tokenizer if other else None)
         return HFMethod(name, model, tokenizer)
-    if name == "hf_pld":
-        return HFMethod(name, model, tokenizer, prompt_lookup=options.get("prompt_lookup_num_tokens", 10))
-    if name == "hf_assisted":
-        return HFMethod(name, model, tokenizer, assistant=draft_model)
-    max_tree = options.pop("max_tree", 64)
-    sized = options.pop("sized", name in SIZED_METHODS)
+    entry = DRAFTERS[name]
+    max_tree = options.pop("max_tree", entry.max_tree)
+    sized = options.pop("sized", entry.scored)
     runner = runner or runner_for(model)
-    if name == "ar":
-        drafter = AutoregressiveDrafter()
-    elif name == "ngram":
-        drafter = NgramDrafter(**options)
-    elif name == "ngram_tree":
-        drafter = NgramDrafter(**{"branches": 4, **options})
-    elif name == "suffix":
-        drafter = SuffixDrafter(**options)
-    elif name == "recycling":
-        drafter = RecyclingDrafter(**options)
-    elif name == "mix":
-        drafter = MixDrafter([SuffixDrafter(), RecyclingDrafter()], **options)
-    elif name == "auto":
-        drafter = AutoDrafter(**options)
-    else:
-        drafter = DraftModelDrafter(draft_model, **options)
-    sizer = TreeSizer(cost_model or load_or_measure(runner, progress=True)) if sized else None
-    engine = Engine(runner, drafter, tokenizer, max_tree=max_tree, sizer=sizer, kv_policy=kv_policy)
-    return EngineMethod(name, engine)
+    if entry.needs_draft_model:
+        options["draft_model"] = draft_model
+    drafter = entry.factory(**options)
+    sizer = TreeSizer(cost_model or _calibrated(runner)) if sized else None
+    return EngineMethod(name, Engine(runner, drafter, tokenizer, max_tree=max_tree, sizer=sizer, kv_policy=kv_policy))
+
+
+def _calibrated(runner):
+    """The runner's cost curve; a first measurement on this machine says so on stderr."""
+    return load_or_measure(runner, progress=True, announce=lambda: print(
+        "speculum: measuring this machine's forward cost once, to size draft trees (cached for later runs)",
+        file=sys.stderr))
+
+
+def load_checked(model_name: str, methods: Sequence[str], draft_name: str | None = None, dtype=None,
+                 device: str | None = None, runner: str = "auto", prompt: str | None = None,
+                 chat: bool | None = None):
+    """``(model, tokenizer, draft, draft_tokenizer)`` for running ``methods``, after every check that
+    needs no weights.
+
+    A model's first load dequantizes it and prints progress; the mistakes that tokenizers and
+    configurations reveal (an unknown method, a missing or incompatible draft model, a prompt longer
+    than the context) are caught before it, so their one-line error is all the user sees.
+    """
+    from .engine import check_prompt_fits
+    from .models import context_length, load, load_tokenizer_and_config, parse_dtype
+    from .prompts import encode_prompt
+    from .runners import use_runner
+
+    parse_dtype(dtype)
+    for name in methods:
+        check_method(name, bool(draft_name))
+    tok, config = load_tokenizer_and_config(model_name)
+    if prompt is not None:
+        check_prompt_fits(len(encode_prompt(tok, prompt, chat)), context_length(config))
+    draft_tok = None
+    if draft_name:
+        draft_tok, _ = load_tokenizer_and_config(draft_name)
+        if "draft_model" in methods:
+            check_same_tokenizer(tok, draft_tok)
+    model, tok = load(model_name, dtype, device, tokenizer=tok)
+    use_runner(model, runner)
+    draft = None
+    if draft_name:
+        draft, draft_tok = load(draft_name, dtype, device, tokenizer=draft_tok)
+        use_runner(draft, runner)
+    return model, tok, draft, draft_tok

@@ -7,7 +7,7 @@ string, waits for the next tokens; a stop string and what follows it are never r
 
 from __future__ import annotations
 
-from .engine import cut_at_stop
+from .stops import cut_at_stop
 
 
 class StreamingText:

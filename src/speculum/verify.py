@@ -44,8 +44,8 @@ class Acceptance:
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """``[n + 1]`` argmax of each row of ``logits`` ``[n + 1, V]``.
 
-    ``max(-1).indices`` returns the first maximal index like ``argmax`` does, and is about 5x
-    faster than ``argmax`` on bfloat16 CPU tensors (1.2 ms saved per step on a 16-node tree).
+    ``max(-1).indices`` returns the first maximal index like ``argmax`` does, and is faster than
+    ``argmax`` on bfloat16 CPU tensors (BENCHMARKS.md, "Why the defaults").
     """
     return logits.max(-1).indices.tolist()
 

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ..methods import build_method
 from ..prompts import encode_prompt
-from ..runner import runner_for
+from ..runners import runner_for
 from ..sampling import SamplingParams
 from .data import TASKS, Prompt
 
@@ -165,11 +165,12 @@ def write_outputs(out_dir: str | Path, results: dict, records: list[Record], met
     return out
 
 
-def bench_meta(model, dtype: str, device: torch.device, args: dict) -> dict:
+def bench_meta(model, dtype: str, args: dict) -> dict:
+    """What a report says about the run: model, dtype, machine, versions, settings and date."""
     return {
         "model": getattr(model, "speculum_name", model.config.name_or_path),
         "dtype": dtype,
-        "machine": machine_info(device),
+        "machine": machine_info(next(model.parameters()).device),
         "versions": versions(),
         "settings": args,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),

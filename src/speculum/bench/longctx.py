@@ -29,12 +29,58 @@ from tqdm import tqdm
 from ..drafters.ar import AutoregressiveDrafter
 from ..engine import Engine
 from ..errors import SpeculumError
-from ..kv import make_policy
+from ..kv import Budget, make_policy
 from ..prompts import has_chat_template
-from ..runner import runner_for
-from .ruler import LongTask, make_task, string_match_all
+from ..runners import runner_for
+from .ruler import TASKS, LongTask, make_task, string_match_all
 
 PROTOCOLS = ("aware", "agnostic")
+VALUE_KINDS = ("number", "word", "uuid")
+# oneDNN keeps the kernels it compiled for every input shape it has met, up to 1024; each prompt
+# length of the suite leaves a few behind (BENCHMARKS.md: resident memory grows over a suite without
+# a cap). A policy run uses a handful of shapes (one token, a prefill chunk), so 16 costs no time.
+ONEDNN_CACHE = 16
+
+
+@dataclass
+class Suite:
+    """What ``speculum longctx`` runs, checked: lengths, tasks, policies (``full`` first), budgets,
+    samples per (length, task) and needle value kinds."""
+
+    lengths: list[int]
+    tasks: list[str]
+    policies: list[str]
+    budgets: list[str]
+    samples: int
+    values: list[str]
+
+    @classmethod
+    def parse(cls, lengths: str, tasks: str, policies: str, budgets: str, samples: int, values: str) -> Suite:
+        """From the command line's comma-separated lists; :class:`SpeculumError` on any mistake."""
+        split = lambda text: [x.strip() for x in text.split(",") if x.strip()]
+        try:
+            lens = [int(x) for x in split(lengths)]
+        except ValueError:
+            raise SpeculumError("--lengths takes comma-separated token counts, e.g. 1024,2048") from None
+        if not lens or min(lens) < 256:
+            raise SpeculumError("--lengths: give lengths of at least 256 tokens")
+        task_list, policy_list, budget_list = split(tasks), split(policies), split(budgets)
+        if unknown := [t for t in task_list if t not in TASKS]:
+            raise SpeculumError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}")
+        if not task_list or not policy_list or not budget_list:
+            raise SpeculumError("--tasks, --policies and --budget must not be empty")
+        if samples < 1:
+            raise SpeculumError("--samples must be at least 1")
+        value_list = split(values)
+        if not value_list or any(v not in VALUE_KINDS for v in value_list):
+            raise SpeculumError(f"--values takes {', '.join(VALUE_KINDS)}, comma-separated")
+        for b in budget_list:
+            Budget.parse(b)
+        for p in policy_list:
+            make_policy(p, budget_list[0])
+        if "full" in policy_list:  # the baseline runs first
+            policy_list = ["full"] + [p for p in policy_list if p != "full"]
+        return cls(lens, task_list, policy_list, budget_list, samples, value_list)
 
 
 @dataclass

@@ -36,13 +36,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..constrain import ConstraintSpec, Grammar
+from ..constrain import ConstraintSpec, compile_constraint
 from ..constrain.spec import strict_schema
 from ..engine import default_eos_ids
 from ..errors import SpeculumError
 from ..methods import build_method
 from ..prompts import encode_prompt
-from ..runner import runner_for
+from ..runners import runner_for
 
 PROMPT = ("Reply with one JSON object that follows this JSON schema, with realistic values. "
           "Output only the JSON.\nSchema: {schema}")
@@ -143,7 +143,7 @@ def coverage(cases: list[SchemaCase], tokenizer, width: int, eos_ids) -> list[di
     for c in cases:
         t0 = time.perf_counter()
         try:
-            Grammar(ConstraintSpec.json_schema(strict_schema(c.schema)), tokenizer, width, eos_ids).matcher()
+            compile_constraint(ConstraintSpec.json_schema(strict_schema(c.schema)), tokenizer, width, eos_ids).matcher()
             ok, error = True, None
         except SpeculumError as e:
             ok, error = False, str(e).splitlines()[0][:300]
@@ -193,7 +193,8 @@ def run_structured(model, tokenizer, cases: list[SchemaCase], methods: list[str]
     width = runner.vocab_size
 
     def grammar_for(schema):
-        return Grammar(ConstraintSpec.json_schema(strict_schema(schema)), tokenizer, width, eos, close_reserve)
+        return compile_constraint(ConstraintSpec.json_schema(strict_schema(schema)), tokenizer, width, eos,
+                                  close_reserve)
 
     warm = encode_prompt(tokenizer, PROMPT.format(schema=json.dumps(WARMUP_SCHEMA)), chat)
     for m in methods:
@@ -324,3 +325,41 @@ def write_structured(out_dir: str | Path, summary: dict, records: list[Structure
             fh.write(json.dumps({**asdict(r), "tok_s": round(r.tok_s, 3)}) + "\n")
     (out / "results.md").write_text(markdown(summary, cov, used, meta))
     return out
+
+
+UNSUPPORTED_METHODS = ("hf_pld", "hf_assisted", "draft_model")  # no grammar support, or a second model
+
+
+def check_settings(schemas: str | None, n_schemas: int, methods: list[str], temperature: float,
+                   close_reserve: int) -> list[SchemaCase]:
+    """The benchmark's settings, checked before any model loads; returns the schemas."""
+    if not schemas:
+        raise SpeculumError("--workload structured needs --schemas FILE (e.g. "
+                            "../shared/data/jsonschemabench/schemas_dev.jsonl)")
+    cases = load_schemas(schemas)
+    if n_schemas < 1:
+        raise SpeculumError("--n-schemas must be at least 1")
+    if temperature != 0:
+        raise SpeculumError("the structured benchmark is greedy: leave --temperature at 0")
+    if close_reserve < 0:
+        raise SpeculumError("--close-reserve must be >= 0")
+    bad = [m for m in methods if m in UNSUPPORTED_METHODS]
+    if bad:
+        raise SpeculumError(f"the structured benchmark runs hf and speculum's engine methods, not {', '.join(bad)}")
+    return cases
+
+
+def bench_structured(model, tokenizer, cases: list[SchemaCase], methods: list[str], n_schemas: int,
+                     max_new_tokens: int, chat: bool | None, progress: bool, close_reserve: int, meta: dict,
+                     out_dir: str | Path) -> tuple[str, Path]:
+    """Coverage over every schema, then the run on ``n_schemas`` of them; writes ``results.json``,
+    ``results.md`` and ``per_schema.jsonl`` into ``out_dir``. Returns the report and the directory."""
+    runner = runner_for(model)
+    cov = coverage(cases, tokenizer, runner.vocab_size, default_eos_ids(model, tokenizer))
+    used = select(cases, cov, n_schemas, tokenizer, runner.max_positions, max_new_tokens, chat)
+    records = run_structured(model, tokenizer, used, methods, max_new_tokens, chat, progress,
+                             close_reserve=close_reserve)
+    summary = summarize_structured(records, methods)
+    meta = {**meta, "max_new_tokens": max_new_tokens, "close_reserve": close_reserve}
+    out = write_structured(out_dir, summary, records, cov, used, meta)
+    return markdown(summary, cov, used, meta), out

@@ -1,12 +1,17 @@
 """Structured output: constraints compiled by llguidance, applied to every node of a draft tree.
 
 - :mod:`.spec`: what the output must match (JSON schema, JSON object, regex, choice, Lark grammar).
-- :mod:`.matcher`: a compiled :class:`Grammar` and a request's :class:`TokenMatcher`, which prunes
-  draft trees, masks the verifier's logits node by node and offers forced tokens as free drafts.
+- :mod:`.matcher`: a compiled :class:`Grammar` (:func:`compile_constraint` builds and caches them)
+  and a request's :class:`TokenMatcher`, which prunes draft trees, masks the verifier's logits node
+  by node and offers forced tokens as free drafts;
+- :mod:`.guide`: the one object the engine asks, per step, to shape the tree, mask the logits,
+  close the output within its budget and advance on what was committed.
 - :mod:`.hf_processor`: the same constraint as a transformers ``LogitsProcessor`` (the baseline).
 """
 
-from .matcher import Grammar, TokenMatcher, mask_logits, restrict_draft_probs
-from .spec import KINDS, ConstraintSpec
+from .guide import UNGUIDED, Guide, guide_for
+from .matcher import Grammar, TokenMatcher, compile_constraint, mask_logits, restrict_draft_probs
+from .spec import KINDS, ConstraintSpec, pick_constraint
 
-__all__ = ["KINDS", "ConstraintSpec", "Grammar", "TokenMatcher", "mask_logits", "restrict_draft_probs"]
+__all__ = ["KINDS", "UNGUIDED", "ConstraintSpec", "Grammar", "Guide", "TokenMatcher", "compile_constraint",
+           "guide_for", "mask_logits", "pick_constraint", "restrict_draft_probs"]

@@ -1,14 +1,10 @@
 """llguidance glue: compile a :class:`~speculum.constrain.spec.ConstraintSpec` for a tokenizer and walk
 draft trees with the grammar's matcher.
 
-Why llguidance (measured on the 100 JSONSchemaBench development schemas with SmolLM2's
-tokenizer: docs/structured/grammar_engines.md): it is sound, refusing what it cannot enforce.
-It compiled 92 schemas; the 8 it refused use non-disjoint ``oneOf``, a ``url`` format or
-``dependencies``. Every output it allowed validated. xgrammar 0.2.8 compiled 99, but it
-silently approximated 10 of them, and 4 of its complete outputs broke their schema. llguidance
-also compiles in about 1 ms (median; 17 ms at most), where xgrammar needs 3 ms median and up to
-0.7 s. Masks take 4 µs (median) to 120 µs (p99) per token, small against a ~20 ms forward pass.
-Its matcher rolls back any number of tokens, which walking a draft tree needs.
+Why llguidance: it is sound (it refuses a schema it cannot enforce rather than approximating it),
+it compiles fast, and its masks are cheap next to a forward pass; its matcher copies its state,
+which walking a draft tree needs. docs/structured/grammar_engines.md has the comparison with
+xgrammar on 100 real schemas.
 
 The bitmask is sized from the *logits' width*, not the tokenizer's vocabulary: models pad their
 output layer (SmolLM2: 49152 rows for 49152 tokens, Gemma-3: 262144 rows), and ids the tokenizer
@@ -17,7 +13,10 @@ does not know are never allowed.
 
 from __future__ import annotations
 
+import json
+import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,6 +37,14 @@ def _per_tokenizer(store: weakref.WeakKeyDictionary, tokenizer) -> dict:
         return store.setdefault(tokenizer, {})
     except TypeError:  # not weak-referenceable: no cache
         return {}
+
+
+def _weak(obj):
+    """A weak reference to ``obj``, or a strong one where it cannot be weakly referenced."""
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
 
 
 def ll_tokenizer(tokenizer, width: int, eos_ids: Sequence[int]):
@@ -122,17 +129,12 @@ class Grammar:
         width: the model's logits width ``V`` (rows of the output layer).
         eos_ids: tokens that end generation; the grammar allows them once its text is complete.
         close_reserve: 0 (default): an output that reaches ``max_new_tokens`` is cut there, as
-            OpenAI's API does, and usually breaks its grammar. ``N > 0``: the budget closer. Each of
-            the model's tokens among the last ``N`` of the budget is kept only if the grammar can
-            still be completed within the budget after it (:meth:`TokenMatcher.close_within`);
-            otherwise the grammar's shortest-effort completion from the state before it
-            (:meth:`TokenMatcher.closing_path`) is emitted instead, so the output ends complete and
-            valid (finish reason ``"closed"``), provided that a completion fitted where the checks
-            began (``N`` at least the budget makes that the empty output). The completion is a
-            function of the grammar state alone, so every method (speculative or not, and
-            transformers' ``generate`` through the logits processor, greedy) closes an output at the
-            same token, in the same way. Most checks validate the last completion found against
-            the new token; a fresh walk costs about 0.1 ms per token of completion.
+            OpenAI's API does. ``N > 0``: the budget closer. Each of the model's tokens among the
+            last ``N`` of the budget is kept only if the grammar can still be completed within the
+            budget after it (:meth:`TokenMatcher.close_within`); otherwise the grammar's
+            shortest-effort completion (:meth:`TokenMatcher.closing_path`) ends the output, valid
+            (finish reason ``"closed"``). The rule depends only on the grammar state and the
+            model's greedy tokens, so every method closes an output at the same token.
     """
 
     def __init__(self, spec: ConstraintSpec, tokenizer, width: int, eos_ids: Sequence[int], close_reserve: int = 0):
@@ -141,6 +143,7 @@ class Grammar:
         if close_reserve < 0:
             raise SpeculumError("close_reserve must be >= 0")
         self.spec, self.width = spec, width
+        self.tokenizer_ref = _weak(tokenizer)
         self.eos_ids = sorted(eos_ids)
         self.close_reserve = close_reserve
         self.closer = closer_table(tokenizer, width) if close_reserve else None
@@ -157,6 +160,31 @@ class Grammar:
         if m.is_error():
             raise SpeculumError(f"the {self.spec.kind} constraint cannot be compiled: {m.get_error()}")
         return TokenMatcher(m, self.width, self.eos_ids, self.closer)
+
+
+GRAMMAR_CACHE = 64  # compiled grammars kept by compile_constraint (least recently used dropped)
+_COMPILED: OrderedDict[tuple, Grammar] = OrderedDict()
+_COMPILED_LOCK = threading.Lock()
+
+
+def compile_constraint(spec: ConstraintSpec, tokenizer, width: int, eos_ids: Sequence[int],
+                       close_reserve: int = 0) -> Grammar:
+    """The :class:`Grammar` for ``spec`` (every caller compiles through here): built once per spec,
+    tokenizer, logits width, EOS ids and ``close_reserve``, and kept for the last
+    :data:`GRAMMAR_CACHE` distinct ones (a server sees the same schema again and again)."""
+    key = (json.dumps([spec.kind, spec.value], sort_keys=True, default=list), id(tokenizer), width,
+           tuple(sorted(eos_ids)), close_reserve)
+    with _COMPILED_LOCK:
+        grammar = _COMPILED.get(key)
+        if grammar is not None and grammar.tokenizer_ref() is tokenizer:
+            _COMPILED.move_to_end(key)
+            return grammar
+    grammar = Grammar(spec, tokenizer, width, eos_ids, close_reserve)
+    with _COMPILED_LOCK:
+        _COMPILED[key] = grammar
+        while len(_COMPILED) > GRAMMAR_CACHE:
+            _COMPILED.popitem(last=False)
+    return grammar
 
 
 class TokenMatcher:

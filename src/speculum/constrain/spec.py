@@ -89,6 +89,37 @@ class ConstraintSpec:
         return LLMatcher.grammar_from_lark(self.value)
 
 
+def pick_constraint(*, json_schema: dict | str | None = None, strict: bool = True, json_object: bool = False,
+                    regex: str | None = None, choice: list[str] | None = None, grammar: str | None = None,
+                    names: str = "a JSON schema, a JSON object, a regex, choices or a grammar") -> ConstraintSpec | None:
+    """The one constraint a request asks for (None for none), as the CLI and the server read it.
+
+    ``json_schema`` (a dict or JSON text) is closed in OpenAI's strict mode when ``strict``
+    (:func:`strict_schema`); ``names`` lists the options in the caller's words for the error raised
+    when more than one is given.
+    """
+    given = [k for k, v in (("json_schema", json_schema), ("json_object", json_object or None), ("regex", regex),
+                            ("choice", choice), ("grammar", grammar)) if v is not None]
+    if len(given) > 1:
+        raise SpeculumError(f"give at most one of {names}")
+    if not given:
+        return None
+    if json_schema is not None:
+        if isinstance(json_schema, str):
+            try:
+                json_schema = json.loads(json_schema)
+            except json.JSONDecodeError as e:
+                raise SpeculumError(f"the JSON schema is not valid JSON: {e}") from None
+        return ConstraintSpec.json_schema(strict_schema(json_schema) if strict else json_schema)
+    if json_object:
+        return ConstraintSpec.json_object()
+    if regex is not None:
+        return ConstraintSpec.regex(regex)
+    if choice is not None:
+        return ConstraintSpec.choice(choice)
+    return ConstraintSpec.lark(grammar)
+
+
 SAFE_INTEGER = 2**53 - 1  # I-JSON (RFC 7493): integers beyond this are not interoperable
 
 

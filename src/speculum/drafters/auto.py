@@ -1,6 +1,7 @@
 """``auto``: a bandit that picks, step by step, the drafter that yields the most tokens per second.
 
-Arms: ``mix`` (suffix + recycling trees), ``ngram`` (prompt-lookup chains, which reach further
+Arms: ``mix`` (trees from speculum's variants of suffix decoding and Token Recycling,
+``suffix_merged`` and ``recycling_scored``), ``ngram`` (prompt-lookup chains, which reach further
 on long verbatim copies) and ``none`` (plain decoding). Standalone ``suffix`` and ``recycling``
 arms were dropped after measuring: ``mix`` contains both, and every extra arm costs
 exploration steps. The reward of an arm is measured, not predicted: the tokens committed by the steps
@@ -10,9 +11,9 @@ they follow the text; they persist across requests, with the evidence halved at 
 request so that every arm is re-tried early (without that, a poor first step could lock the
 bandit onto plain decoding for whole requests). Each step picks the arm with the highest upper
 confidence bound (UCB1 on rates normalised by the best arm's, ``explore`` weighting the bonus),
-so an arm that stops paying (nothing matches, drafts get rejected) loses to ``none``: sampling
-at temperature 1.5, where drafts are rarely accepted, ``auto`` measured within 4% of ``ar``. The tree sizer already
-shrinks hopeless trees to nothing; the bandit also catches costs the sizer does not model.
+so an arm that stops paying (nothing matches, drafts get rejected) loses to ``none``
+(BENCHMARKS.md, "Where nothing matches"). The tree sizer already shrinks hopeless trees to
+nothing; the bandit also catches costs the sizer does not model.
 
 The arms share their state (one suffix trie, one recycling matrix), so every arm keeps learning
 from every step whichever arm drafted it.
@@ -30,14 +31,15 @@ from .base import Drafter
 from .mix import MixDrafter
 from .ngram import NgramDrafter
 from .recycling import RecyclingDrafter
-from .suffix import SuffixDrafter
+from .suffix_merged import SuffixMergedDrafter
 
 
 class AutoDrafter(Drafter):
     name = "auto"
 
     def __init__(self, gamma: float = 0.99, explore: float = 0.25, clock=time.perf_counter):
-        self.suffix, self.recycling, self.ngram = SuffixDrafter(), RecyclingDrafter(), NgramDrafter()
+        self.suffix, self.recycling = SuffixMergedDrafter(), RecyclingDrafter(tree="scored", pair_context=True)
+        self.ngram = NgramDrafter()
         self.arms: dict[str, Drafter] = {
             "mix": MixDrafter([self.suffix, self.recycling]),
             "ngram": self.ngram,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpeculumError
-from ..runner import runner_for
+from ..runners import runner_for
 from ..tree import DraftTree
 from ..verify import Acceptance
 from .base import Drafter
@@ -35,6 +35,7 @@ class DraftModelDrafter(Drafter):
     name = "draft_model"
 
     def __init__(self, draft_model: torch.nn.Module, num_draft: int = 4, adaptive: bool = True):
+        self.model = draft_model  # runners do not keep their model alive
         self.runner = runner_for(draft_model)
         self.max_draft = num_draft
         self.adaptive = adaptive

@@ -1,8 +1,12 @@
 """``ngram``: prompt lookup decoding (Saxena 2023; transformers' ``prompt_lookup_num_tokens``).
 
 The last ``n`` tokens of the sequence are looked up among earlier ``n``-grams of the prompt and
-the generated text; the tokens that followed the match are the draft. Differences from the
-naive scan in transformers:
+the generated text; the tokens that followed the match are the draft. Example with ``n = 2``:
+tokens ``[1, 2, 3, 4, 2, 3]`` end with ``(2, 3)``, which occurred before at positions 1-2 followed
+by ``4, 2, 3``: the draft is ``[4, 2, 3]`` (as long as the draft length allows).
+
+speculum's defaults differ from the original scan (the paper's setting is ``prefer="first",
+adaptive=False, max_draft=10, unigram_draft=10``):
 
 - An incremental index (``n``-gram -> position after its most recent occurrence), updated with
   each committed token, so a lookup costs O(max_n) dict probes instead of a scan of the whole
@@ -12,9 +16,8 @@ naive scan in transformers:
 - Adaptive draft length: drafting grows by ``grow`` tokens while whole drafts are accepted and
   falls back to ``accepted + grow`` after a rejection, within ``[min_draft, max_draft]``. A
   one-token match (``n = 1``) is weak evidence, so its draft is capped at ``unigram_draft``.
-  The defaults (16 / 6 / 4 / 8) were chosen on Spec-Bench development prompts with SmolLM2 in
-  bfloat16 on a 2-core CPU, where verifying 11 tokens costs ~1.3x one token; they were ~3%
-  faster than a fixed draft of 10 and ~4% faster than the earlier 12 / 2 / 2 / 4.
+  The defaults (16 / 6 / 4 / 8) were tuned on the development prompts (BENCHMARKS.md, "Why the
+  defaults").
 - ``prefer="first"`` takes the earliest occurrence instead (as transformers does); ``per_ngram``
   caps the draft at ``per_ngram * n`` tokens for an ``n``-token match.
 - ``branches > 1`` (the ``ngram_tree`` method) drafts a tree: the continuations of up to

@@ -3,15 +3,24 @@
 Every verification computes logits for each token in the tree, and all but the accepted path's
 are usually thrown away. Token Recycling keeps them: an adjacency matrix ``M [V, k]`` holds, for
 each token, the top-``k`` next-token candidates from the most recent logits computed after it.
-After each step the rows of every token fed to the verification (root and tree nodes) are
-overwritten with the top-``k`` of their logits. To draft, the tree grows from the root token by
-following ``M`` breadth-first-by-score: a node's children are ``M[token][:k]``.
+After each step the rows of every token fed to the verification (root and tree nodes, accepted or
+not) are overwritten with the top-``k`` of their logits. The matrix persists across requests (the
+paper's hot start); it is sized from the logits' width, and a token whose row was never written
+has no candidates (its subtree is not drafted).
 
-Differences from the paper, which expands a fixed 80-node template: the tree is grown best-first
-by estimated acceptance probability, the product along the path of learnt hit rates per
-(depth, candidate rank) (:class:`~speculum.drafters.hit_rates.HitRates`), and the engine's
-:class:`~speculum.tree_sizing.TreeSizer` keeps as many nodes as this hardware pays for. The matrix
-persists across requests (the paper's hot start); it is sized from the logits' width.
+The paper's tree (``tree="template"``, the default) is a static template of 80 nodes over 6
+levels, filled breadth-first from ``M``: a node ``[i, j]`` is the ``j``-th candidate of the token at
+node ``[i]``, itself the ``i``-th candidate of the root. A token drafted twice under one parent is
+kept once, with the children of both (the reference verifies every root-to-leaf path and keeps the
+longest accepted one; one node with both subtrees gives the greedy walk the same choice).
+
+speculum's variant, ``recycling_scored`` (``tree="scored"``), grows the tree best-first by estimated
+acceptance probability instead, the product along the path of learnt hit rates per (depth,
+candidate rank) (:class:`~speculum.drafters.hit_rates.HitRates`), so that the engine's
+:class:`~speculum.tree_sizing.TreeSizer` keeps as many nodes as this hardware pays for; with
+``pair_context`` it also keeps candidates keyed by the last two tokens, preferred over the
+one-token row when present (a two-token key tells apart the contexts a frequent token appears in).
+``mix`` and ``auto`` use that variant.
 """
 
 from __future__ import annotations
@@ -28,6 +37,23 @@ from .hit_rates import HitRates, record_tree
 
 SOURCE = "recycling"
 
+# The paper's tree (reference implementation: Spec-Bench, model/recycling/tree_template_.py, version
+# "2.2.2"): each node as its path of candidate ranks from the root, parents before children.
+TEMPLATE = (
+    [[i] for i in range(8)]
+    + [[0, i] for i in range(8)] + [[1, i] for i in range(4)] + [[2, i] for i in range(3)]
+    + [[3, 0], [3, 1], [4, 0], [5, 0], [6, 0], [7, 0]]
+    + [[0, 0, i] for i in range(8)] + [[0, 1, 0], [0, 1, 1], [0, 1, 2], [0, 2, 0], [0, 2, 1], [0, 3, 0],
+                                       [0, 4, 0], [0, 5, 0], [0, 6, 0], [0, 7, 0], [1, 0, 0], [1, 0, 1],
+                                       [1, 1, 0], [2, 0, 0], [3, 0, 0], [4, 0, 0], [5, 0, 0]]
+    + [[0, 0, 0, i] for i in range(5)] + [[0, 0, 1, 0], [0, 0, 1, 1], [0, 0, 2, 0], [0, 0, 3, 0],
+                                          [0, 0, 4, 0], [0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0],
+                                          [2, 0, 0, 0], [3, 0, 0, 0]]
+    + [[0, 0, 0, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 1, 0, 0],
+       [0, 1, 0, 0, 0], [1, 0, 0, 0, 0]]
+    + [[0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1], [0, 0, 0, 1, 0, 0]]
+)
+
 
 def _prior(key) -> float:
     _context, _depth, rank = key
@@ -39,23 +65,28 @@ class RecyclingDrafter(Drafter):
 
     Args:
         k: candidates kept per token (the matrix's width; the paper uses 8).
-        max_depth: deepest node drafted.
-        max_nodes: most nodes drafted per step before the engine's sizer trims.
-        pair_context: also keep candidates keyed by the last *two* tokens (the token and its
-            predecessor), preferred over the one-token row when present. The paper's matrix
-            is context-free; a two-token key tells apart the contexts a frequent token appears
-            in. ``False`` gives the paper's rule.
+        tree: ``"template"`` (the paper's static 80-node tree) or ``"scored"`` (best-first by learnt
+            hit rates, sized by the engine).
+        max_depth: deepest node drafted (``scored``).
+        max_nodes: most nodes drafted per step (``scored``; the template has its own size).
+        pair_context: also keep candidates keyed by the last *two* tokens (``scored`` only: the
+            paper's matrix is context-free).
     """
 
     name = "recycling"
 
-    def __init__(self, k: int = 8, max_depth: int = 12, max_nodes: int = 64, pair_context: bool = True,
-                 max_pairs: int = 200_000):
-        self.k, self.max_depth, self.max_nodes = k, max_depth, max_nodes
+    def __init__(self, k: int = 8, tree: str = "template", max_depth: int = 12, max_nodes: int = 64,
+                 pair_context: bool = False, max_pairs: int = 200_000):
+        if tree not in ("template", "scored"):
+            raise ValueError("tree must be 'template' or 'scored'")
+        if pair_context and tree != "scored":
+            raise ValueError("pair_context needs tree='scored'")
+        self.k, self.tree, self.max_depth, self.max_nodes = k, tree, max_depth, max_nodes
         self.pair_context, self.max_pairs = pair_context, max_pairs
         self.matrix: np.ndarray | None = None  # [V, k] int64, -1 = no candidate yet
         self.pairs: dict[tuple[int, int], np.ndarray] = {}  # (previous, token) -> [k] candidates
         self.rates = HitRates(prior=_prior)
+        self.template = [p for p in TEMPLATE if p[-1] < k]
 
     def _row(self, prev: int, tok: int) -> tuple[np.ndarray | None, int]:
         """Candidates after ``prev, tok``: ``(row [k], 1)`` from the pair table, else ``(M[tok], 0)``."""
@@ -66,6 +97,30 @@ class RecyclingDrafter(Drafter):
         if tok >= self.matrix.shape[0] or self.matrix[tok][0] < 0:
             return None, 0
         return self.matrix[tok], 0
+
+    def propose(self, tokens: list[int], budget: int) -> DraftTree:
+        builder = TreeBuilder()
+        if self.tree == "template":
+            self._fill_template(builder, tokens[-1], budget)
+            built = builder.build()
+            return DraftTree(built.tokens, built.parents)
+        self.expand(builder, tokens, min(budget, self.max_nodes))
+        return builder.build()
+
+    def _fill_template(self, builder: TreeBuilder, root: int, budget: int) -> None:
+        """The template's nodes, breadth-first, while the matrix has candidates (at most ``budget``)."""
+        if self.matrix is None:
+            return
+        placed: dict[tuple[int, ...], tuple[int, int]] = {(): (-1, root)}  # path -> (tree node, token)
+        for path in self.template:
+            parent = placed.get(tuple(path[:-1]))
+            if parent is None or len(builder) >= budget:
+                continue
+            node, tok = parent
+            if tok >= self.matrix.shape[0] or self.matrix[tok, path[-1]] < 0:
+                continue
+            child = int(self.matrix[tok, path[-1]])
+            placed[tuple(path)] = (builder.add(node, child, 1.0), child)
 
     def expand(self, builder: TreeBuilder, tokens: list[int], budget: int) -> None:
         """Grow ``builder`` below the root (``tokens[-1]``) best-first over the candidate rows, ``budget`` nodes."""
@@ -95,11 +150,6 @@ class RecyclingDrafter(Drafter):
                     p_child = rates.p((ckind, min(depth + 1, 8), 0))
                     heapq.heappush(heap, (-score * p_child, tie, node, score, tok, crow, ckind, depth + 1, 0))
 
-    def propose(self, tokens: list[int], budget: int) -> DraftTree:
-        builder = TreeBuilder()
-        self.expand(builder, tokens, min(budget, self.max_nodes))
-        return builder.build()
-
     def learn(self, inputs: list[int], prevs: list[int], logits: torch.Tensor) -> None:
         """Store the top-k of ``logits`` ``[n + 1, V]`` as the candidates after each of ``inputs``
         ``[n + 1]`` (and after each pair ``prevs[i], inputs[i]``); later rows win."""
@@ -122,5 +172,6 @@ class RecyclingDrafter(Drafter):
         root, before_root = tokens[at], (tokens[at - 1] if at > 0 else -1)
         inputs = [root] + tree.tokens
         prevs = [before_root] + [inputs[p + 1] for p in tree.parents]
-        record_tree(self.rates, SOURCE, tree, logits, acceptance)
+        if self.tree == "scored":
+            record_tree(self.rates, SOURCE, tree, logits, acceptance)
         self.learn(inputs, prevs, logits)

@@ -2,7 +2,7 @@
 
 =============  ====================================================================================
 ``full``       no policy: the whole cache, full attention (the baseline)
-``streaming``  StreamingLLM: attention sinks + recent window (evicts)
+``streaming``  StreamingLLM: attention sinks + recent window, positions rolled inside the cache (evicts)
 ``h2o``        H2O: heavy hitters by accumulated attention + recent window (evicts)
 ``snapkv``     SnapKV: the prompt's last tokens vote for what to keep, pooled (evicts at prefill)
 ``kv_quant``   KIVI: keys per channel, values per token, 2 or 4 bits, recent tokens in full precision
@@ -18,41 +18,38 @@ the prompt) is given separately. See :func:`make_policy`.
 from __future__ import annotations
 
 from ..errors import SpeculumError
+from ..options import parse_named
 from .base import Budget, KVPolicy
 from .h2o import H2OPolicy
 from .kv_quant import KVQuantPolicy
 from .quest import QuestPolicy
-from .runner import PolicyRunner
 from .snapkv import SnapKVPolicy
 from .streaming import StreamingPolicy
 from .tidal import TidalPolicy
 
+# the registry: a policy is one file and one line here
 POLICIES: dict[str, type[KVPolicy]] = {
-    p.name: p for p in (StreamingPolicy, H2OPolicy, SnapKVPolicy, KVQuantPolicy, TidalPolicy, QuestPolicy)
+    "streaming": StreamingPolicy,
+    "h2o": H2OPolicy,
+    "snapkv": SnapKVPolicy,
+    "kv_quant": KVQuantPolicy,
+    "tidal": TidalPolicy,
+    "quest": QuestPolicy,
 }
 POLICY_NAMES = ("full",) + tuple(POLICIES)
 
 
 def make_policy(spec: str, budget="0.25") -> KVPolicy | None:
     """``"snapkv"``, ``"tidal:layers=2+12"``, ... -> a policy (None for ``"full"``)."""
-    name, _, opts = spec.partition(":")
-    name = name.strip()
+    name, kwargs = parse_named(spec, "KV policy")
     if name == "full":
         return None
     if name not in POLICIES:
         raise SpeculumError(f"unknown KV policy {name!r}; choose from {', '.join(POLICY_NAMES)}")
-    kwargs = {}
-    for item in filter(None, (o.strip() for o in opts.split(","))):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise SpeculumError(f"KV policy option {item!r} should read key=value")
-        kwargs[key.strip()] = value.strip()
     try:
         return POLICIES[name](budget, **kwargs)
-    except TypeError as e:
-        raise SpeculumError(f"bad option for KV policy {name!r}: {e}") from None
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         raise SpeculumError(f"bad option for KV policy {name!r}: {e}") from None
 
 
-__all__ = ["POLICIES", "POLICY_NAMES", "Budget", "KVPolicy", "PolicyRunner", "make_policy"]
+__all__ = ["POLICIES", "POLICY_NAMES", "Budget", "KVPolicy", "make_policy"]

@@ -1,15 +1,21 @@
 """The KV-policy interface and budgets.
 
-A policy decides what the KV cache stores and what each decode step reads. The engine calls it
-at three points (see :class:`~speculum.kv.runner.PolicyRunner`):
+A policy decides what the KV cache stores and what each decode step reads. It plugs into the
+runner (:class:`~speculum.runners.policy.PolicyRunner`), which calls it at four points:
 
 - **prefill**, layer by layer: :meth:`KVPolicy.store_prefill` receives one layer's full keys and
   values (and, if the policy asks, attention statistics) and stores what it keeps, so the full
   cache of all layers never exists at once (peak memory really falls);
 - **attention**, at every layer of every forward: :meth:`KVPolicy.attend` writes the new entries
   and attends over what the policy chooses to read;
-- **after each step**, once the accepted tokens are committed: :meth:`KVPolicy.after_step`
-  (evict, quantize the entries that left the full-precision window, refresh page bounds).
+- **commit**: :meth:`KVPolicy.before_commit` sees which pending entries (root and accepted path)
+  are about to be kept, while they are still in place (H2O's accepted tokens vote), and
+  :meth:`KVPolicy.after_commit` runs once they are (evict, quantize the entries that left the
+  full-precision window, refresh page bounds).
+
+A policy object holds only its settings, so one serves many requests; what it keeps for one
+request is a typed state object on that request's cache (``cache.state``, a dataclass next to
+each policy).
 
 Budgets are a token count (``1024``) or a ratio of the prompt length (``0.25``). Policies are
 lossy by design; with a budget that covers the whole context each of them is token-identical to
@@ -23,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention import AttentionLayout, Step
+from ..cache import KVCache
 from ..errors import SpeculumError
 
 
@@ -72,11 +80,14 @@ class KVPolicy:
         prefill_scores: attention statistics :meth:`store_prefill` needs: None, ``"window"`` (the
             last ``observation_window`` prompt queries' attention over the prompt, SnapKV) or
             ``"all"`` (attention summed over every prompt query, H2O).
+        rolling: the cache numbers positions by slot (StreamingLLM), so a sequence may run past the
+            model's context length.
     """
 
     name = "?"
     prefill_scores: str | None = None
     observation_window = 32
+    rolling = False
 
     def __init__(self, budget="0.25"):
         self.budget = Budget.parse(budget)
@@ -84,12 +95,12 @@ class KVPolicy:
     def __repr__(self) -> str:
         return f"{self.name}(budget={self.budget})"
 
-    def new_cache(self, runner, capacity: int):
+    def new_cache(self, layout: AttentionLayout, dtype: torch.dtype, device, capacity: int) -> KVCache:
         """A fresh cache for one request (``capacity``: prompt + new tokens + draft nodes)."""
         raise NotImplementedError
 
     def begin_prefill(self, cache, n: int) -> None:
-        """Before the layer-by-layer prefill of ``n`` prompt tokens: size the cache."""
+        """Before the layer-by-layer prefill of ``n`` prompt tokens: size the cache, start the state."""
 
     def end_prefill(self, cache, n: int) -> None:
         """After the last layer is stored."""
@@ -102,9 +113,12 @@ class KVPolicy:
         raise NotImplementedError
 
     def attend(self, cache, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               step) -> torch.Tensor:
+               step: Step) -> torch.Tensor:
         """Store the new entries ``k, v [n, H_kv, d]`` and attend ``q [n, H, d]`` -> ``[n, H*d]``."""
         return cache.attend_all(layer, sliding, q, k, v, step)
 
-    def after_step(self, cache) -> None:
-        """Called after each committed step."""
+    def before_commit(self, cache, keep: list[int] | None) -> None:
+        """The pending entries at indices ``keep`` (None: all) are about to be committed."""
+
+    def after_commit(self, cache) -> None:
+        """Called after each commit of a decoding step."""

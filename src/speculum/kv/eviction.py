@@ -10,10 +10,20 @@ pass, so the cost of a gather is spread over many steps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..cache import PositionedKVCache
 from .base import KVPolicy
-from .cache import PolicyKVCache
+
+
+@dataclass
+class EvictionState:
+    """One request's eviction budget."""
+
+    budget: int  # entries kept per layer and KV head after an eviction
+    kept: int  # prompt entries kept at prefill: min(budget, prompt length)
 
 
 def recent(n: int, m: int, heads: int, device) -> torch.Tensor:
@@ -27,26 +37,26 @@ class EvictionPolicy(KVPolicy):
     keeps_scores = False  # per-slot accumulated attention in the cache (H2O)
     evicts_while_decoding = True
 
-    def new_cache(self, runner, capacity: int) -> PolicyKVCache:
-        return PolicyKVCache(runner.decoder, capacity, with_scores=self.keeps_scores)
+    def new_cache(self, layout, dtype, device, capacity: int) -> PositionedKVCache:
+        return PositionedKVCache(layout, dtype, device, capacity, with_scores=self.keeps_scores,
+                                 rolling=self.rolling)
 
     @staticmethod
     def slack(budget: int) -> int:
         return max(16, budget // 16)
 
-    def begin_prefill(self, cache: PolicyKVCache, n: int) -> None:
+    def begin_prefill(self, cache: PositionedKVCache, n: int) -> None:
         budget = self.budget.for_length(n)
-        m = min(budget, n)
-        cache.state.update(budget=budget, kept=m)
+        cache.state = EvictionState(budget=budget, kept=min(budget, n))
         growth = max(cache.capacity_hint - n, 1)
         if self.evicts_while_decoding:
             growth = min(growth, self.slack(budget) + 128)
-        cache.reserve(m + growth)
+        cache.reserve(cache.state.kept + growth)
 
-    def store_prefill(self, cache: PolicyKVCache, layer: int, sliding: bool, kv: torch.Tensor,
+    def store_prefill(self, cache: PositionedKVCache, layer: int, sliding: bool, kv: torch.Tensor,
                       scores: torch.Tensor | None) -> None:
         n = kv.shape[2]
-        m = cache.state["kept"]
+        m = cache.state.kept
         idx = None
         if m < n:
             idx = recent(n, m, kv.shape[1], kv.device) if sliding else self.select_prefill(kv, scores, m)
@@ -54,8 +64,8 @@ class EvictionPolicy(KVPolicy):
         if cache.score is not None and scores is not None:
             cache.score[layer, :, :m] = scores if idx is None else scores.gather(1, idx)
 
-    def end_prefill(self, cache: PolicyKVCache, n: int) -> None:
-        m = cache.state["kept"]
+    def end_prefill(self, cache: PositionedKVCache, n: int) -> None:
+        m = cache.state.kept
         cache.length, cache.evicted = m, n - m
         cache.peak_bytes = cache.nbytes()
 
@@ -63,16 +73,16 @@ class EvictionPolicy(KVPolicy):
         """Slots ``[H_kv, m]`` (increasing) to keep of a full-attention layer's ``kv [2, H_kv, n, d]``."""
         raise NotImplementedError
 
-    def select_decode(self, cache: PolicyKVCache, layer: int, budget: int) -> torch.Tensor:
+    def select_decode(self, cache: PositionedKVCache, layer: int, budget: int) -> torch.Tensor:
         """Slots ``[H_kv, budget]`` (increasing) to keep of a full-attention layer's committed slots."""
         raise NotImplementedError
 
-    def after_step(self, cache: PolicyKVCache) -> None:
-        budget = cache.state["budget"]
+    def after_commit(self, cache: PositionedKVCache) -> None:
+        budget = cache.state.budget
         if not self.evicts_while_decoding or cache.length <= budget + self.slack(budget):
             return
-        heads = cache.shape.kv_heads
-        idx = [recent(cache.length, budget, heads, cache.device) if sliding
+        heads = cache.layout.kv_heads
+        idx = [recent(cache.length, budget, heads, cache.device) if cache.layout.is_sliding(i)
                else self.select_decode(cache, i, budget)
-               for i, sliding in enumerate(cache.sliding)]
+               for i in range(cache.layout.layers)]
         cache.keep_slots(torch.stack(idx))

@@ -7,11 +7,22 @@ selects for itself, from the bounds, without reading the keys."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..attention import fold_queries
 from .scoring import top_slots
-from .sparse import SparseReadPolicy
+from .sparse import SparseReadPolicy, SparseState
+
+
+@dataclass
+class QuestState(SparseState):
+    """One request's page bounds."""
+
+    kmin: torch.Tensor  # [layers, H_kv, P, d] channel-wise minimum of each completed page's keys
+    kmax: torch.Tensor  # [layers, H_kv, P, d] maximum
+    pages: int = 0  # completed pages with bounds
 
 
 class QuestPolicy(SparseReadPolicy):
@@ -24,45 +35,43 @@ class QuestPolicy(SparseReadPolicy):
         self.page = int(page)
         self.dense_layers = int(dense)
 
-    def begin_prefill(self, cache, n):
-        super().begin_prefill(cache, n)
-        s = cache.shape
-        pages = cache.capacity // self.page + 1
-        shape = (s.layers, s.kv_heads, pages, s.head_dim)
-        cache.state.update(kmin=torch.empty(shape, dtype=cache.dtype, device=cache.device),
-                           kmax=torch.empty(shape, dtype=cache.dtype, device=cache.device), pages=0)
+    def new_state(self, cache, read):
+        s = cache.layout
+        shape = (s.layers, s.kv_heads, cache.capacity // self.page + 1, s.head_dim)
+        return QuestState(read, torch.empty(shape, dtype=cache.dtype, device=cache.device),
+                          torch.empty(shape, dtype=cache.dtype, device=cache.device))
 
     def end_prefill(self, cache, n):
         super().end_prefill(cache, n)
-        self.after_step(cache)
+        self.after_commit(cache)
 
-    def after_step(self, cache) -> None:
+    def after_commit(self, cache) -> None:
         """Bounds for the pages completed since the last call (all layers at once)."""
         st, p = cache.state, self.page
-        done, full = st["pages"], cache.length // p
+        done, full = st.pages, cache.length // p
         if full <= done:
             return
-        if full >= st["kmin"].shape[2]:  # the cache grew past the pages allocated
+        if full >= st.kmin.shape[2]:  # the cache grew past the pages allocated
             grow = lambda t: torch.cat([t, torch.empty_like(t)], dim=2)
-            st["kmin"], st["kmax"] = grow(st["kmin"]), grow(st["kmax"])
+            st.kmin, st.kmax = grow(st.kmin), grow(st.kmax)
         keys = cache.kv[:, 0, :, done * p: full * p]  # [layers, H_kv, (full-done)*p, d]
         keys = keys.reshape(keys.shape[0], keys.shape[1], full - done, p, keys.shape[-1])
-        st["kmin"][:, :, done:full] = keys.amin(3)
-        st["kmax"][:, :, done:full] = keys.amax(3)
-        st["pages"] = full
+        st.kmin[:, :, done:full] = keys.amin(3)
+        st.kmax[:, :, done:full] = keys.amax(3)
+        st.pages = full
 
     def attend(self, cache, layer, sliding, q, k, v, step):
         st, p = cache.state, self.page
-        pages = st["pages"]
+        pages = st.pages
         tail = cache.length - pages * p
-        want = max(1, (st["read"] - tail) // p)
+        want = max(1, (st.read - tail) // p)
         if self.dense(cache, layer, sliding) or want >= pages:
             return cache.attend_all(layer, sliding, q, k, v, step)
-        qg = fold_queries(q, cache.shape.kv_heads)[:, :, None, :]  # [H_kv, g*n, 1, d]
-        kmin, kmax = st["kmin"][layer, :, None, :pages], st["kmax"][layer, :, None, :pages]  # [H_kv, 1, P, d]
+        s = cache.layout
+        qg = fold_queries(q, s.kv_heads)[:, :, None, :]  # [H_kv, g*n, 1, d]
+        kmin, kmax = st.kmin[layer, :, None, :pages], st.kmax[layer, :, None, :pages]  # [H_kv, 1, P, d]
         bound = torch.maximum(qg * kmin, qg * kmax).sum(-1).amax(1)  # [H_kv, P]
         chosen = top_slots(bound.float(), want)  # [H_kv, want] page numbers
-        s = cache.shape
         block = torch.empty((2, s.kv_heads, want * p + tail + step.n, s.head_dim), dtype=cache.dtype,
                             device=cache.device)
         paged = cache.kv[layer, :, :, : pages * p].unflatten(2, (pages, p))  # [2, H_kv, pages, p, d]

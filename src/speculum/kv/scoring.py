@@ -1,17 +1,10 @@
-"""Attention probabilities for the policies that score cached tokens (H2O, SnapKV, TidalDecode)."""
+"""Selection helpers for the policies that score cached tokens (H2O, SnapKV, TidalDecode, Quest);
+attention probabilities themselves come from :func:`speculum.attention.attention_probs`."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from ..attention import attention_probs as folded_probs
-
-
-def attention_probs(decoder, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Softmax attention weights ``[H_kv, g*n, L]`` (float32) of ``q [n, H, d]`` over ``k [H_kv, L, d]``
-    with ``decoder``'s scale and soft-capping. ``mask``: additive, ``[g*n, L]`` or ``[H_kv, g*n, L]``, or None."""
-    return folded_probs(q, k, mask, decoder.shape.attn_scale, decoder.shape.attn_softcap)
 
 
 def pool_scores(scores: torch.Tensor, kernel: int) -> torch.Tensor:

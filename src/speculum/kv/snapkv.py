@@ -15,8 +15,8 @@ from .scoring import pool_scores, top_slots
 class SnapKVPolicy(EvictionPolicy):
     """Observation-window votes, max-pooled (``kernel`` tokens), top-k per KV head + the window itself.
 
-    ``kernel=15`` rather than the paper's 7: SmolLM2 writes numbers one digit per token, and with 7
-    the kept runs broke 5-digit passkeys apart (4k tokens, 25%: answers like "672." for 67562).
+    ``kernel=15`` rather than the paper's 7 (``snapkv:kernel=7``): wider runs keep numbers that a
+    tokenizer writes one digit per token whole (BENCHMARKS.md, "Why the defaults").
     """
 
     name = "snapkv"

@@ -6,31 +6,44 @@ context turns the policy into full attention."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from ..cache import PositionedKVCache
 from .base import KVPolicy
-from .cache import PolicyKVCache
+
+
+@dataclass
+class SparseState:
+    """One request's read budget."""
+
+    read: int  # cached tokens a sparse layer reads per step
 
 
 class SparseReadPolicy(KVPolicy):
-    """Full storage, sparse reads: subclasses implement :meth:`attend`."""
+    """Full storage, sparse reads: subclasses implement :meth:`attend` (and may extend the state)."""
 
     dense_layers = 2
 
-    def new_cache(self, runner, capacity: int) -> PolicyKVCache:
-        return PolicyKVCache(runner.decoder, capacity)
+    def new_cache(self, layout, dtype, device, capacity: int) -> PositionedKVCache:
+        return PositionedKVCache(layout, dtype, device, capacity)
 
-    def begin_prefill(self, cache: PolicyKVCache, n: int) -> None:
+    def new_state(self, cache: PositionedKVCache, read: int):
+        """The request's state, made at prefill (subclasses return their own dataclass)."""
+        return SparseState(read)
+
+    def begin_prefill(self, cache: PositionedKVCache, n: int) -> None:
         cache.reserve(max(cache.capacity_hint, n + 1))
-        cache.state["read"] = self.budget.for_length(n)
+        cache.state = self.new_state(cache, self.budget.for_length(n))
 
-    def store_prefill(self, cache: PolicyKVCache, layer: int, sliding: bool, kv: torch.Tensor, scores) -> None:
+    def store_prefill(self, cache: PositionedKVCache, layer: int, sliding: bool, kv: torch.Tensor, scores) -> None:
         cache.store_layer(layer, kv, None)
 
-    def end_prefill(self, cache: PolicyKVCache, n: int) -> None:
+    def end_prefill(self, cache: PositionedKVCache, n: int) -> None:
         cache.length = n
         cache.peak_bytes = cache.nbytes()
 
-    def dense(self, cache: PolicyKVCache, layer: int, sliding: bool) -> bool:
+    def dense(self, cache: PositionedKVCache, layer: int, sliding: bool) -> bool:
         """Layers that read everything: the first ones, sliding ones, and all while the context fits the budget."""
-        return sliding or layer < self.dense_layers or cache.length <= cache.state["read"]
+        return sliding or layer < self.dense_layers or cache.length <= cache.state.read

@@ -7,17 +7,31 @@ bytes read per step (``k`` of the context's entries in the sparse layers)."""
 
 from __future__ import annotations
 
-from .scoring import attention_probs, pool_scores, top_slots
-from .sparse import SparseReadPolicy
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention import attention_probs
+from .scoring import pool_scores, top_slots
+from .sparse import SparseReadPolicy, SparseState
+
+
+@dataclass
+class TidalState(SparseState):
+    """One request's token selection."""
+
+    selection_layers: frozenset[int] = frozenset()
+    blocks: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [2, H_kv, read + n, d] chosen entries
+    selected_at: int = -1  # cache length when ``blocks`` were chosen (this step's, or stale)
 
 
 def default_selection_layers(sliding: list[bool], dense_layers: int = 2) -> list[int]:
     """Selection at about 1/5 of the depth and re-selection at about 7/15, among full-attention
-    layers (SmolLM2's 30 layers: 6 and 14). The paper selects at layer 2 and re-selects at 13 of
-    Llama-3-8B's 32; on SmolLM2 layer 2 does not yet attend to the needle (speculum longctx, 4k
-    tokens, 25%: the passkey and multikey samples that 2+12 missed, 6+14 answered like the full
-    cache). Models with sliding-window layers (Gemma-3: one global layer in six) select once, at
-    the first global layer from 1/5 of the depth on."""
+    layers (SmolLM2's 30 layers: 6 and 14; Llama-3-8B's 32: 6 and 15). The paper chose layers per
+    model (2 and 13 for Llama-3-8B); this rule is speculum's, for models the paper did not cover
+    (BENCHMARKS.md, "Why the defaults", has what it was chosen on). Models with sliding-window
+    layers (Gemma-3: one global layer in six) select once, at the first global layer from 1/5 of
+    the depth on."""
     layers = len(sliding)
     full = [i for i, s in enumerate(sliding) if not s and i >= max(dense_layers, round(layers / 5))]
     if not full:
@@ -32,8 +46,8 @@ def default_selection_layers(sliding: list[bool], dense_layers: int = 2) -> list
 class TidalPolicy(SparseReadPolicy):
     """Position-persistent sparse attention; ``layers``: the selection layers (``"6+14"`` on the CLI);
     ``kernel``: max-pool the selection scores over that many neighbours before the top-k (1: the
-    paper's plain top-k). 7 by default: SmolLM2 writes numbers one digit per token, and without
-    pooling a 5-digit passkey lost its last digits (4k tokens, 25%: "35." for 35440)."""
+    paper's plain top-k; speculum's default 7 keeps runs of digit tokens together: BENCHMARKS.md,
+    "Why the defaults")."""
 
     name = "tidal"
 
@@ -45,28 +59,28 @@ class TidalPolicy(SparseReadPolicy):
             layers = [int(x) for x in layers.replace("+", " ").split()]
         self.layers = layers
 
-    def begin_prefill(self, cache, n):
-        super().begin_prefill(cache, n)
-        layers = self.layers if self.layers is not None else default_selection_layers(cache.sliding,
-                                                                                       self.dense_layers)
-        cache.state["selection_layers"] = set(layers)
+    def new_state(self, cache, read):
+        layers = self.layers if self.layers is not None else default_selection_layers(
+            [cache.layout.is_sliding(i) for i in range(cache.layout.layers)], self.dense_layers)
+        return TidalState(read, frozenset(layers))
 
     def attend(self, cache, layer, sliding, q, k, v, step):
         st = cache.state
         if self.dense(cache, layer, sliding):
             return cache.attend_all(layer, sliding, q, k, v, step)
-        if layer in st["selection_layers"]:
+        if layer in st.selection_layers:
             out = cache.attend_all(layer, sliding, q, k, v, step)
-            probs = attention_probs(step.decoder, q, cache.kv[layer, 0, :, : cache.length], None)  # [H_kv, g*n, L]
-            later = [i for i in st["selection_layers"] if i > layer]
-            upto = min(later) if later else cache.shape.layers
+            s = cache.layout
+            probs = attention_probs(q, cache.kv[layer, 0, :, : cache.length], None, s.scale, s.softcap)  # [H_kv, g*n, L]
+            later = [i for i in st.selection_layers if i > layer]
+            upto = min(later) if later else s.layers
             # one copy of the chosen slots for every full-attention layer up to the next selection layer
-            sparse = [i for i in range(layer + 1, upto) if not cache.sliding[i]]
+            sparse = [i for i in range(layer + 1, upto) if not s.is_sliding(i)]
             scores = pool_scores(probs.sum(1), self.kernel)
-            block = cache.gather_block(sparse, top_slots(scores, st["read"]), step.n)
-            st["blocks"] = dict(zip(sparse, block))
-            st["selected_at"] = cache.length
+            block = cache.gather_block(sparse, top_slots(scores, st.read), step.n)
+            st.blocks = dict(zip(sparse, block))
+            st.selected_at = cache.length
             return out
-        if st.get("selected_at") != cache.length or layer not in st["blocks"]:
+        if st.selected_at != cache.length or layer not in st.blocks:
             return cache.attend_all(layer, sliding, q, k, v, step)  # before this step's first selection
-        return cache.attend_block(layer, q, k, v, st["blocks"][layer], step)
+        return cache.attend_block(layer, q, k, v, st.blocks[layer], step)

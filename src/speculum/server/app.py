@@ -13,7 +13,6 @@ import asyncio
 import json
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -21,12 +20,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..constrain import ConstraintSpec, Grammar
-from ..constrain.spec import strict_schema
+from ..constrain import Grammar, compile_constraint, pick_constraint
 from ..engine import default_eos_ids
 from ..errors import SpeculumError
 from ..methods import ENGINE_METHODS, build_method
-from ..runner import runner_for
+from ..prompts import encode_messages
+from ..runners import runner_for
 from ..sampling import SamplingParams
 from ..text_stream import StreamingText
 from .metrics import Metrics
@@ -39,7 +38,7 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"
 
 
 class ServerState:
-    """The model, its methods (built on first use, sharing one runner), compiled grammars, the worker."""
+    """The model, its methods (built on first use, sharing one runner), the worker."""
 
     def __init__(self, model, tokenizer, model_name: str, method: str = "auto", max_queue: int = 16,
                  max_tree: int = 64):
@@ -51,7 +50,6 @@ class ServerState:
         self.context = self.runner.max_positions
         self.eos_ids = default_eos_ids(model, tokenizer)
         self.methods: dict[str, object] = {}
-        self.grammars: OrderedDict[str, Grammar] = OrderedDict()
         self.metrics = Metrics()
         self.get_method(method)  # build (and calibrate) the default method before serving
         self.worker = Worker(self.get_method, self.metrics, max_queue)
@@ -63,14 +61,6 @@ class ServerState:
                                               max_tree=self.max_tree)
         return self.methods[name]
 
-    def grammar(self, spec: ConstraintSpec, close_reserve: int = 0) -> Grammar:
-        key = json.dumps([spec.kind, spec.value, close_reserve], sort_keys=True, default=list)
-        if key not in self.grammars:
-            self.grammars[key] = Grammar(spec, self.tokenizer, self.runner.vocab_size, self.eos_ids, close_reserve)
-            if len(self.grammars) > 64:
-                self.grammars.popitem(last=False)
-        self.grammars.move_to_end(key)
-        return self.grammars[key]
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -128,15 +118,10 @@ def create_app(state: ServerState) -> FastAPI:
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
-        if not getattr(state.tokenizer, "chat_template", None):
-            raise APIError("this model has no chat template: use /v1/completions", param="messages")
         try:
-            ids = state.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=False)
-        except Exception as e:  # noqa: BLE001 - templates raise anything (jinja errors) on odd input
-            raise APIError(f"the chat template rejected the messages: {e}", param="messages") from None
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
+            ids = encode_messages(state.tokenizer, messages)
+        except SpeculumError as e:
+            raise APIError(str(e), param="messages") from None
         if req.max_completion_tokens is not None:
             if req.max_completion_tokens <= 0:
                 raise APIError("max_completion_tokens must be at least 1", param="max_completion_tokens")
@@ -197,28 +182,23 @@ def create_app(state: ServerState) -> FastAPI:
         return Job(method, ids, max_tokens, sampling, req.stop_list(), req.seed, grammar, asyncio.get_running_loop())
 
     def _grammar(req: CommonParams) -> Grammar | None:
-        specs = []
-        rf = req.response_format
-        if rf is not None and rf.type == "json_object":
-            specs.append(ConstraintSpec.json_object())
-        elif rf is not None and rf.type == "json_schema":
+        rf, opts = req.response_format, req.speculum
+        schema, strict = None, True
+        if rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise SpeculumError("response_format json_schema needs json_schema.schema")
-            schema = rf.json_schema.schema_
-            specs.append(ConstraintSpec.json_schema(strict_schema(schema) if rf.json_schema.strict else schema))
-        opts = req.speculum
-        if opts is not None:
-            if opts.regex is not None:
-                specs.append(ConstraintSpec.regex(opts.regex))
-            if opts.choice is not None:
-                specs.append(ConstraintSpec.choice(opts.choice))
-            if opts.grammar is not None:
-                specs.append(ConstraintSpec.lark(opts.grammar))
-        if len(specs) > 1:
-            raise SpeculumError("give at most one constraint (response_format, regex, choice or grammar)")
-        if opts is not None and opts.close_reserve and not specs:
+            schema, strict = rf.json_schema.schema_, bool(rf.json_schema.strict)
+        spec = pick_constraint(json_schema=schema, strict=strict,
+                               json_object=rf is not None and rf.type == "json_object",
+                               regex=opts.regex if opts else None, choice=opts.choice if opts else None,
+                               grammar=opts.grammar if opts else None,
+                               names="response_format, speculum.regex, speculum.choice or speculum.grammar")
+        close_reserve = opts.close_reserve if opts is not None else 0
+        if close_reserve and spec is None:
             raise SpeculumError("speculum.close_reserve needs a constraint (response_format, regex, choice or grammar)")
-        return state.grammar(specs[0], opts.close_reserve if opts is not None else 0) if specs else None
+        if spec is None:
+            return None
+        return compile_constraint(spec, state.tokenizer, state.runner.vocab_size, state.eos_ids, close_reserve)
 
     async def _stream(request: Request, job: Job, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
         text = StreamingText(state.tokenizer, job.stop)

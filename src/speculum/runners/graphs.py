@@ -14,9 +14,9 @@ every cache length and tree shape of its bucket:
 - ``tree [B, B]`` bool: ancestor mask among the new tokens; padding rows see only themselves
   and no real row sees a padding column.
 
-The attention mask over ``K`` slots is built inside the graph from those: committed slots are
-visible (within the window on sliding layers, key position = slot), the new block follows
-``tree``, the rest is hidden. Padding rows write garbage into pending slots past the real ones,
+The attention mask over ``K`` slots is built inside the graph from those
+(:func:`~speculum.attention.padded_visibility`): committed slots are visible (within the window on
+sliding layers, key position = slot), the new block follows ``tree``, the rest is hidden. Padding rows write garbage into pending slots past the real ones,
 which the engine never commits.
 """
 
@@ -27,8 +27,8 @@ import functools
 import numpy as np
 import torch
 
-from ..attention import grouped, in_window
-from .model import NativeDecoder
+from ..attention import grouped, padded_visibility
+from .decoder import NativeDecoder
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80)
 KEY_BUCKETS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -84,20 +84,12 @@ class GraphedSteps:
         """The captured computation: ``[B, V]`` logits from the static inputs of bucket ``b``."""
         inp = self.inputs[b]
         dec, s = self.decoder, self.decoder.shape
-        dev = self.kv.device
-        length, positions, tree = inp["length"], inp["positions"], inp["tree"].bool()
-        slots = length + torch.arange(b, device=dev)  # [B]
-        rel = torch.arange(k, device=dev) - length  # [K] slot index relative to the new block
-        past = rel < 0
-        new_col = rel.clamp(0, b - 1)
-        visible = past[None, :] | (tree[:, new_col] & (rel < b)[None, :])  # [B, K]
-        masks = {False: grouped(visible, s.group, dec.dtype)}
-        if s.sliding_window is not None:
-            key_pos = torch.where(past, torch.arange(k, device=dev), positions[new_col])  # [K]
-            masks[True] = grouped(visible & in_window(key_pos, positions, s.sliding_window), s.group, dec.dtype)
-        else:
-            masks[True] = masks[False]
-        return dec.forward(inp["ids"], positions, self.kv, slots, k, masks)
+        length, positions = inp["length"], inp["positions"]
+        slots = length + torch.arange(b, device=self.kv.device)  # [B]
+        full, sliding = padded_visibility(length, positions, inp["tree"].bool(), k, s.sliding_window)
+        add = grouped(full, s.group, dec.dtype)
+        masks = {False: add, True: add if sliding is full else grouped(sliding, s.group, dec.dtype)}
+        return dec.forward(inp["ids"], positions, self.kv, slots, k, masks).logits
 
     @torch.inference_mode()
     def run(self, length: int, ids: list[int], depths: list[int], tree_mask: np.ndarray | None,

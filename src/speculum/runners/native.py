@@ -1,8 +1,8 @@
-"""``NativeRunner``: the :class:`~speculum.runner.Runner` protocol on :class:`NativeDecoder`.
+"""``NativeRunner``: the runner protocol on :class:`~speculum.runners.decoder.NativeDecoder`.
 
 - CPU: eager forwards of the native decoder (fused projections, oneDNN-packed bfloat16
   weights, grouped-query attention without repeated KV heads, no per-module Python overhead).
-- CUDA: verification forwards replay CUDA graphs (:mod:`speculum.native.graphs`) over one
+- CUDA: verification forwards replay CUDA graphs (:mod:`speculum.runners.graphs`) over one
   static KV buffer the runner owns; prefill and shapes outside the graph buckets run eagerly.
   Because the graphs hold that buffer's address, one cache at a time owns it: :meth:`new_cache`
   hands the buffer to a new cache when no live cache holds it, and otherwise returns a private
@@ -13,23 +13,26 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Sequence
 
 import torch
 
-from ..attention import grouped, visibility
+from ..attention import Step, grouped, visibility
+from ..cache import StaticKVCache
 from ..models import context_length
 from ..tree import DraftTree
-from .cache import StaticKVCache
-from .model import NativeDecoder
+from .base import Forward, RunnerBase
+from .decoder import NativeDecoder
 
 DEFAULT_GRAPH_CONTEXT = 4096
 
 
-class NativeRunner:
+class NativeRunner(RunnerBase):
     """Runner for Llama-family and Gemma-3 models on the native decoder.
 
     Args:
-        model: a transformers ``*ForCausalLM`` (weights are re-laid out once; the model is untouched).
+        model: a transformers ``*ForCausalLM`` (weights are re-laid out once; the model is untouched,
+            and the runner does not keep it alive).
         prefill_chunk: prefill in chunks of this many tokens (bounds attention memory).
         cuda_graphs: capture verification steps as CUDA graphs (default: on CUDA devices, unless
             ``SPECULUM_CUDA_GRAPHS=0``). ``"padded"`` runs the same padded fixed-shape steps
@@ -40,11 +43,13 @@ class NativeRunner:
 
     def __init__(self, model: torch.nn.Module, prefill_chunk: int = 256, cuda_graphs: bool | str | None = None,
                  graph_context: int | None = None):
-        self.model = model
         self.config = model.config
+        self.generation_config = getattr(model, "generation_config", None)
         self.decoder = NativeDecoder.from_hf(model)
         s = self.decoder.shape
         self.shape = s
+        self.layout = self.decoder.layout
+        self.num_layers = s.layers
         self.device, self.dtype = self.decoder.device, self.decoder.dtype
         self.vocab_size = s.vocab
         self.max_positions = context_length(self.config)
@@ -79,50 +84,30 @@ class NativeRunner:
         if cache.fixed and (self._owner is None or self._owner() is not cache):
             raise RuntimeError("this KV cache's buffer belongs to another runner or cache")
 
-    def _masks(self, length: int, positions: torch.Tensor, new_mask: torch.Tensor | None):
-        """``{sliding: [g*n, length+n] additive or None}`` for ``n`` new tokens after ``length`` slots.
-
-        ``new_mask [n, n]`` bool among the new tokens (None = causal). On sliding layers keys more
-        than ``window - 1`` positions behind the query are hidden (transformers' rule).
-        """
-        s = self.shape
-        full, sliding = visibility(length, positions, new_mask, s.sliding_window)
-        return {False: grouped(full, s.group, self.dtype), True: grouped(sliding, s.group, self.dtype)}
-
-    @torch.inference_mode()
-    def _eager(self, cache: StaticKVCache, ids: list[int], positions: torch.Tensor,
-               new_mask: torch.Tensor | None, last_only: bool) -> torch.Tensor:
+    def _run(self, cache: StaticKVCache, ids: list[int], step: Step, last_only: bool,
+             hidden_layers: Sequence[int]) -> Forward:
+        self._check_owner(cache)
         n = len(ids)
         cache.reserve(cache.length + n)
-        masks = self._masks(cache.length, positions, new_mask)
-        ids_t = torch.tensor(ids, device=self.device)
-        logits = self.decoder.forward(ids_t, positions, cache.kv, cache.length, cache.length + n, masks, last_only)
+        s = self.shape
+        full, sliding = visibility(cache.length, step.positions, step.new_mask, s.sliding_window)
+        masks = {False: grouped(full, s.group, self.dtype), True: grouped(sliding, s.group, self.dtype)}
+        out = self.decoder.forward(torch.tensor(ids, device=self.device), step.positions, cache.kv, cache.length,
+                                   cache.length + n, masks, last_only, hidden_layers)
         cache.pending = n
-        return logits
+        return out
 
-    def prefill(self, cache: StaticKVCache, token_ids: list[int]) -> None:
-        """Commit ``token_ids`` to the cache in chunks of ``prefill_chunk`` tokens."""
-        self._check_owner(cache)
-        cache.reserve(cache.length + len(token_ids))
-        for start in range(0, len(token_ids), self.prefill_chunk):
-            chunk = token_ids[start:start + self.prefill_chunk]
-            pos = torch.arange(cache.length, cache.length + len(chunk), device=self.device)
-            self._eager(cache, chunk, pos, None, last_only=True)
-            cache.commit()
-
-    def forward_tree(self, cache: StaticKVCache, root: int, tree: DraftTree) -> torch.Tensor:
-        """Logits ``[n + 1, V]`` for ``[root] + tree.tokens``; their KV entries are left pending."""
-        self._check_owner(cache)
-        ids = [root] + tree.tokens
-        depths = [0] + tree.depths()
-        chain = tree.is_chain
-        if self.graphs is not None and cache.fixed:
+    @torch.inference_mode()
+    def forward(self, cache: StaticKVCache, root: int, tree: DraftTree, hidden_layers: Sequence[int] = ()) -> Forward:
+        """Logits ``[n + 1, V]`` for ``[root] + tree.tokens``: a CUDA-graph replay where one fits
+        (and no hidden states are asked for), else an eager forward."""
+        if self.graphs is not None and cache.fixed and not hidden_layers:
+            self._check_owner(cache)
+            ids = [root] + tree.tokens
             shapes = self.graphs.shapes_for(cache.length, len(ids))
             if shapes is not None:
-                logits = self.graphs.run(cache.length, ids, depths, None if chain else tree.ancestor_mask_np(),
-                                         shapes)
+                mask = None if tree.is_chain else tree.ancestor_mask_np()
+                logits = self.graphs.run(cache.length, ids, [0] + tree.depths(), mask, shapes)
                 cache.pending = len(ids)
-                return logits
-        positions = torch.tensor(depths, device=self.device) + cache.length
-        mask = None if chain else tree.ancestor_mask(self.device)
-        return self._eager(cache, ids, positions, mask, last_only=False)
+                return Forward(logits)
+        return super().forward(cache, root, tree, hidden_layers)

@@ -15,19 +15,24 @@ keeps float32 greedy output token-identical to the Hugging Face runner.
 Shapes use ``n`` new tokens, ``D`` hidden size, ``H`` query heads, ``H_kv`` KV heads, ``g = H /
 H_kv``, ``d`` head dim, ``C`` cache capacity and ``L`` visible key slots. There is no batch axis:
 the engine decodes one sequence.
+
+The attention itself (masks, grouped-query folding, rotary embedding) is :mod:`speculum.attention`'s;
+where keys and values are stored is the caller's (:meth:`NativeDecoder.forward_with`'s ``attend``).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from ..attention import attention
-from ..runner import layer_types, packed_linear
+from ..attention import AttentionLayout, Rotary, attention, rotate, rotate_fused
+from .base import Forward, layer_types
+from .packed import packed_linear
 
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 GEMMA3 = {"gemma3_text"}
@@ -82,8 +87,7 @@ class DecoderShape:
 
 class Linear:
     """``y = x W^T + b`` for ``x [n, in]``; bfloat16 CPU weights run prepacked by oneDNN
-    (:func:`speculum.runner.packed_linear`, 2-4x faster than ``F.linear`` for the 1-64 token inputs
-    of decoding), which then replaces the plain weight."""
+    (:func:`~speculum.runners.packed.packed_linear`), which then replaces the plain weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias  # [out, in], [out]
@@ -119,31 +123,6 @@ class RMSNorm:
         if self.gemma:
             return (h * self.scale).type_as(x)
         return self.scale * h.to(x.dtype)
-
-
-class Rotary:
-    """Rotary embedding with a fixed ``inv_freq [d/2]`` and attention scaling (from transformers' init)."""
-
-    def __init__(self, inv_freq: torch.Tensor, scaling: float):
-        self.inv_freq, self.scaling = inv_freq.float(), float(scaling)
-
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [n]`` -> ``cos, sin [n, 1, d]`` in ``dtype`` (broadcast over heads)."""
-        freqs = positions[:, None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype)[:, None], (emb.sin() * self.scaling).to(dtype)[:, None]
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Apply rotary embedding to ``x [n, heads, d]`` (transformers' ``x cos + rotate_half(x) sin``)."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
-
-
-def _rotate_fused(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """:func:`_rotate` in three kernels: ``rotate_half(x) sin == roll(x, d/2) * [-sin_1, sin_2]``."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class Layer:
@@ -184,9 +163,9 @@ class NativeDecoder:
 
     ``fused`` trades op-for-op fidelity to transformers for fewer kernels: one-kernel RMSNorm,
     rotary embedding on queries and keys together in three kernels, keys and values written in
-    one copy. On a GPU a small model's step is bound by kernel launches, not arithmetic; on this
-    CPU it saves 3-10% of a bfloat16 forward over 1-16 tokens. Float32 on the CPU keeps the exact
-    path, bit-identical to the Hugging Face runner.
+    one copy. A small model's step is bound by kernel launches on a GPU, and the CPU gains a little
+    too (BENCHMARKS.md, native runner); float32 on the CPU keeps the exact path, bit-identical to
+    the Hugging Face runner.
     """
 
     def __init__(self, shape: DecoderShape, embed: torch.Tensor, embed_scale: torch.Tensor | None,
@@ -197,6 +176,11 @@ class NativeDecoder:
         self.fused = fused
         self.act = ACT2FN[shape.act]
         self.dtype, self.device = embed.dtype, embed.device
+        self.layout = AttentionLayout(
+            layers=shape.layers, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+            scale=shape.attn_scale, softcap=shape.attn_softcap, window=shape.sliding_window,
+            sliding=tuple(layer.sliding for layer in layers),
+            rotary=tuple(rotary["sliding_attention" if layer.sliding else "full_attention"] for layer in layers))
 
     @classmethod
     @torch.inference_mode()
@@ -252,7 +236,8 @@ class NativeDecoder:
         return cls(shape, embed, embed_scale, layers, final_norm, head, rotary, fused)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, write: int | torch.Tensor,
-                keys: int, masks: dict[bool, torch.Tensor | None], last_only: bool = False) -> torch.Tensor:
+                keys: int, masks: dict[bool, torch.Tensor | None], last_only: bool = False,
+                hidden_layers: Sequence[int] = ()) -> Forward:
         """Logits for ``n`` new tokens; their keys and values are written into ``kv``.
 
         Args:
@@ -265,9 +250,11 @@ class NativeDecoder:
             keys: attend over slots ``0 .. keys-1``.
             masks: ``{sliding: [g*n, keys] additive mask or None}`` for full (False) and
                 sliding-window (True) layers; None means every key is visible. Rows are
-                ``j*n + i`` for query ``i`` and head ``j`` of a KV group (see :func:`grouped`).
+                ``j*n + i`` for query ``i`` and head ``j`` of a KV group (see
+                :func:`~speculum.attention.grouped`).
             last_only: return only the last row's logits (prefill).
-        Returns ``[n, V]`` logits (``[1, V]`` with ``last_only``).
+            hidden_layers: hidden states to return (see :meth:`forward_with`).
+        Returns :class:`~speculum.runners.base.Forward`: ``[n, V]`` logits (``[1, V]`` with ``last_only``).
         """
         n = ids.shape[0]
 
@@ -286,17 +273,32 @@ class NativeDecoder:
                 kv[i, 1].index_copy_(1, write, v.transpose(0, 1))
             return self.attend(q, kv[i, 0, :, :keys], kv[i, 1, :, :keys], masks[layer.sliding])
 
-        return self.forward_with(ids, positions, attend, last_only)
+        return self.forward_with(ids, positions, attend, last_only, hidden_layers)
 
-    def forward_with(self, ids: torch.Tensor, positions: torch.Tensor, attend, last_only: bool = False) -> torch.Tensor:
+    def forward_with(self, ids: torch.Tensor, positions: torch.Tensor, attend, last_only: bool = False,
+                     hidden_layers: Sequence[int] = ()) -> Forward:
         """:meth:`forward` with the cache left to ``attend(i, layer, q [n, H, d], k, v [n, H_kv, d])
         -> [n, H*d]``, which stores layer ``i``'s new keys and values where it keeps them and returns
-        the attention output (how KV policies run the model: :mod:`speculum.kv`)."""
+        the attention output (how KV policies run the model: :mod:`speculum.runners.policy`).
+
+        ``hidden_layers``: ``{i: [n, D]}`` to return, numbered as transformers'
+        ``output_hidden_states``: 0 the embeddings, ``i`` the ``i``-th layer's output, ``layers`` the
+        final norm's output."""
+        hidden: dict[int, torch.Tensor] = {}
         h = self.embed_ids(ids)
+        if 0 in hidden_layers:
+            hidden[0] = h
         rope = self.rope(positions)
+        last = len(self.layers)
         for i, layer in enumerate(self.layers):
             h = self.layer_forward(i, layer, h, rope, attend)
-        return self.logits(h[-1:] if last_only else h)
+            if i + 1 in hidden_layers and i + 1 < last:
+                hidden[i + 1] = h
+        if last in hidden_layers:
+            normed = self.final_norm(h)
+            hidden[last] = normed
+            return Forward(self.head_logits(normed[-1:] if last_only else normed), hidden)
+        return Forward(self.logits(h[-1:] if last_only else h), hidden)
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [n]`` -> hidden states ``[n, D]``."""
@@ -327,7 +329,7 @@ class NativeDecoder:
             q, k, v = qkv.split([s.heads, s.kv_heads, s.kv_heads], dim=1)
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         a = layer.o(attend(i, layer, q, k, v))
         if layer.pre_mlp_norm is not None:  # Gemma: norms on both sides of each block
             h = h + layer.post_attn_norm(a)
@@ -341,7 +343,11 @@ class NativeDecoder:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm, head and soft-capping: ``h [n, D]`` -> ``[n, V]``."""
-        logits = self.head(self.final_norm(h))
+        return self.head_logits(self.final_norm(h))
+
+    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """Head and soft-capping of final-norm outputs ``[n, D]`` -> ``[n, V]``."""
+        logits = self.head(normed)
         if self.shape.final_softcap is not None:
             logits = torch.tanh(logits / self.shape.final_softcap) * self.shape.final_softcap
         return logits
@@ -352,7 +358,7 @@ class NativeDecoder:
         qk, v = qkv[:, : s.heads + s.kv_heads], qkv[:, s.heads + s.kv_heads:]
         if layer.q_norm is not None:
             qk = torch.cat((layer.q_norm(qk[:, : s.heads]), layer.k_norm(qk[:, s.heads:])), dim=1)
-        qk = _rotate_fused(qk, cos, signed_sin)
+        qk = rotate_fused(qk, cos, signed_sin)
         return qk[:, : s.heads], qk[:, s.heads:], v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

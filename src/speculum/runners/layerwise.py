@@ -12,8 +12,7 @@ import functools
 
 import torch
 
-from ..attention import grouped, visibility
-from .scoring import attention_probs
+from ..attention import attention_probs, grouped, visibility
 
 SCORE_ROWS = 32  # prompt queries per slice when accumulating attention (H2O)
 
@@ -62,7 +61,8 @@ def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, w
         if want == "window":
             qw = torch.cat(tail)  # [w, H, d], the queries of positions w0 .. n-1
             vis = torch.arange(n, device=dev)[None, :] <= positions[w0:, None]  # causal [w, n]
-            layer_scores = attention_probs(decoder, qw, buf[0], grouped(vis, s.group, torch.float32)).sum(1)
+            layer_scores = attention_probs(qw, buf[0], grouped(vis, s.group, torch.float32), s.attn_scale,
+                                           s.attn_softcap).sum(1)
         store(i, layer.sliding, buf, layer_scores)
     return decoder.logits(h[-1:])
 
@@ -71,7 +71,7 @@ class ChunkCausalMask:
     """Full-attention masks of whole prompt chunks, as views of one buffer that every chunk and layer shares.
 
     The mask of chunk ``a .. b-1`` (``b - a == chunk``) over keys ``0 .. b-1`` is additive and
-    folded (:func:`~speculum.runner.grouped`): ``[g*chunk, b]``, zero over the keys before the
+    folded (:func:`~speculum.attention.grouped`): ``[g*chunk, b]``, zero over the keys before the
     chunk and causal over its own. :meth:`over` returns it as the view ``buf[:, :b]`` of a zeroed
     ``[g*chunk, n]`` buffer with the causal block written at ``a .. b-1``; :meth:`release` zeroes
     that block again. The values equal the per-chunk masks; building those afresh for every chunk
@@ -101,7 +101,8 @@ def _chunk_attention(decoder, buf, a, b, mask, acc, tail, w0, _i, _layer, q, k, 
         m, g = q.shape[0], decoder.shape.group
         for r in range(0, m, SCORE_ROWS):
             rows = None if mask is None else mask.view(g, m, -1)[:, r:r + SCORE_ROWS].reshape(-1, mask.shape[-1])
-            acc[:, :b] += attention_probs(decoder, q[r:r + SCORE_ROWS], buf[0, :, :b], rows).sum(1)
+            acc[:, :b] += attention_probs(q[r:r + SCORE_ROWS], buf[0, :, :b], rows, decoder.shape.attn_scale,
+                                          decoder.shape.attn_softcap).sum(1)
     if tail is not None:
         tail.append(q[max(0, w0 - a):])
     return decoder.attend(q, buf[0, :, :b], buf[1, :, :b], mask)

@@ -1,0 +1,15 @@
+"""KV caches: one base (:class:`KVCache`: growth, commit of an accepted path, rollback, bytes) and the
+caches that extend it.
+
+- :class:`StaticKVCache`: one ``[layers, 2, H_kv, C, d]`` buffer (every runner's plain cache);
+- :class:`PositionedKVCache`: a static cache whose slots remember their positions (eviction and
+  sparse-read KV policies; rolling positions for StreamingLLM);
+- :class:`QuantKVCache`: packed 2/4-bit entries plus a full-precision window (KIVI).
+"""
+
+from .base import KVCache
+from .positioned import PositionedKVCache
+from .quantized import QuantKVCache
+from .static import StaticKVCache
+
+__all__ = ["KVCache", "PositionedKVCache", "QuantKVCache", "StaticKVCache"]

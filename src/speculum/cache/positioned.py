@@ -1,0 +1,196 @@
+"""The cache KV policies work on: a static cache whose slots remember their positions, per layer and KV head.
+
+``kv [layers, 2, H_kv, C, d]`` as in :class:`~speculum.cache.static.StaticKVCache`, plus
+``pos [layers, H_kv, C]``, the position each slot holds. Without eviction slot ``c`` holds position
+``c``; an eviction policy gathers the slots it keeps to the front, per layer and per head, so the
+same slot index then holds different positions in different heads. Keys are stored after rotary
+embedding, so they keep their original positions wherever they move; the positions are needed for
+the sliding-window rule (Gemma-3) and to number new tokens (:attr:`PositionedKVCache.position`).
+
+*Rolling* positions (StreamingLLM): a token's position is its slot in the cache, not its place in
+the text. New tokens are numbered from ``length``, and an eviction that moves a kept key from slot
+``p`` to slot ``j`` rotates it by ``j - p`` (:meth:`~speculum.attention.Rotary.shift`), so the
+positions the model sees never exceed the cache's size and generation can run past the model's
+context length.
+
+The new entries of a forward go to slots ``length .. length+n-1`` (the same in every layer and
+head) and stay pending until :meth:`commit`, as in every cache of the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import AttentionLayout, Step, attention, grouped, in_window, visibility
+from .static import StaticKVCache
+
+
+class PositionedKVCache(StaticKVCache):
+    """Slots with positions, eviction by gather, optional per-slot scores (H2O), optional rolling positions.
+
+    Attributes:
+        pos: ``[layers, H_kv, C]`` int64 position held by each slot.
+        score: ``[layers, H_kv, C]`` float32 accumulated attention, when the policy keeps one.
+        evicted: tokens dropped so far.
+        capacity_hint: prompt + new tokens + draft nodes, as the engine asked.
+        rolling: positions are slots (StreamingLLM), not places in the text.
+    """
+
+    def __init__(self, layout: AttentionLayout, dtype: torch.dtype, device, capacity_hint: int,
+                 with_scores: bool = False, rolling: bool = False):
+        super().__init__(layout.layers, layout.kv_heads, layout.head_dim, dtype, device, 0)
+        self.layout = layout
+        self.capacity_hint = capacity_hint
+        self.rolling = rolling
+        if rolling and len(layout.rotary) != layout.layers:
+            raise ValueError("rolling positions need each layer's rotary embedding")
+        self.pos = torch.empty((layout.layers, layout.kv_heads, 0), dtype=torch.long, device=self.device)
+        self.score = torch.empty_like(self.pos, dtype=torch.float32) if with_scores else None
+        self.evicted = 0
+
+    # -- storage -------------------------------------------------------------------------------
+    @property
+    def position(self) -> int:
+        """Position of the next token: its slot when rolling, else its place in the text."""
+        return self.length if self.rolling else self.length + self.evicted
+
+    @property
+    def contiguous(self) -> bool:
+        """True while slot ``c`` holds position ``c`` in every layer and head."""
+        return self.evicted == 0 or self.rolling
+
+    def _grow(self, extra: int) -> None:
+        super()._grow(extra)
+        pos = torch.zeros((*self.pos.shape[:2], self.capacity), dtype=torch.long, device=self.device)
+        pos[:, :, : self.length] = self.pos[:, :, : self.length]
+        self.pos = pos
+        if self.score is not None:
+            score = torch.zeros(pos.shape, dtype=torch.float32, device=self.device)
+            score[:, :, : self.length] = self.score[:, :, : self.length]
+            self.score = score
+
+    def _move_entries(self, src: torch.Tensor, dst: int) -> None:
+        super()._move_entries(src, dst)
+        m = src.shape[0]
+        self.pos[:, :, dst:dst + m] = self.pos.index_select(2, src)
+        if self.score is not None:
+            self.score[:, :, dst:dst + m] = self.score.index_select(2, src)
+
+    def store_layer(self, layer: int, kv: torch.Tensor, idx: torch.Tensor | None) -> int:
+        """Store prompt entries of one layer: ``kv [2, H_kv, n, d]``, keeping slots ``idx [H_kv, m]``
+        (increasing along ``m``; None keeps all ``n``). Returns ``m``. Rolling: the kept keys move
+        to the positions of their new slots."""
+        n = kv.shape[2]
+        if idx is None:
+            self.kv[layer, :, :, :n] = kv
+            self.pos[layer, :, :n] = torch.arange(n, device=self.device)
+            return n
+        m = idx.shape[1]
+        for h in range(kv.shape[1]):
+            torch.index_select(kv[:, h], 1, idx[h], out=self.kv[layer, :, h, :m])
+        self.pos[layer, :, :m] = idx
+        if self.rolling:
+            self._roll(layer, m)
+        return m
+
+    def begin(self, positions: torch.Tensor) -> None:
+        """Make room for a forward's new tokens and record their positions (every layer and head)."""
+        n = positions.shape[0]
+        self.reserve(self.length + n)
+        self.pos[:, :, self.length:self.length + n] = positions
+        if self.score is not None:
+            self.score[:, :, self.length:self.length + n] = 0
+
+    @torch.inference_mode()
+    def keep_slots(self, idx: torch.Tensor) -> None:
+        """Evict: keep committed slots ``idx [layers, H_kv, m]`` (increasing along ``m``), moved to the front."""
+        L, _, H, _, d = self.kv.shape
+        m = idx.shape[2]
+        # one layer's scratch, not a second cache: a [layers, ...] copy would briefly double the memory
+        # the cache holds at every eviction
+        kept = torch.empty((2, H, m, d), dtype=self.dtype, device=self.device)
+        for layer in range(L):
+            for h in range(H):  # index_select copies whole rows: ~10x faster than gather here
+                torch.index_select(self.kv[layer, :, h], 1, idx[layer, h], out=kept[:, h])
+            self.kv[layer, :, :, :m] = kept
+        self.pos[:, :, :m] = self.pos[:, :, : self.length].gather(2, idx)
+        if self.score is not None:
+            self.score[:, :, :m] = self.score[:, :, : self.length].gather(2, idx)
+        self.evicted += self.length - m
+        self.length = m
+        if self.rolling:
+            for layer in range(L):
+                self._roll(layer, m)
+
+    def _roll(self, layer: int, m: int) -> None:
+        """Rolling positions: move the keys of slots ``0 .. m-1`` of ``layer`` from the positions they
+        hold to their slot numbers."""
+        slots = torch.arange(m, device=self.device)
+        for h in range(self.kv.shape[2]):
+            delta = slots - self.pos[layer, h, :m]  # [m]
+            if bool((delta != 0).any()):
+                self.kv[layer, 0, h, :m] = self.layout.rotary[layer].shift(self.kv[layer, 0, h, :m], delta)
+        self.pos[layer, :, :m] = slots
+
+    def gather_block(self, layers: list[int], idx: torch.Tensor, extra: int) -> torch.Tensor:
+        """Copy the committed slots ``idx [H_kv, k]`` of ``layers`` (``m`` of them) into the front of a
+        new ``[m, 2, H_kv, k + extra, d]`` block; the ``extra`` slots after them are left for new entries."""
+        s = self.layout
+        k = idx.shape[1]
+        block = torch.empty((len(layers), 2, s.kv_heads, k + extra, s.head_dim), dtype=self.dtype,
+                            device=self.device)
+        if layers and layers == list(range(layers[0], layers[-1] + 1)):  # one copy per head for all of them
+            for h in range(s.kv_heads):
+                torch.index_select(self.kv[layers[0]:layers[-1] + 1, :, h], 2, idx[h], out=block[:, :, h, :k])
+            return block
+        for j, layer in enumerate(layers):
+            for h in range(s.kv_heads):
+                torch.index_select(self.kv[layer, :, h], 1, idx[h], out=block[j, :, h, :k])
+        return block
+
+    # -- attention -------------------------------------------------------------------------------
+    def window_start(self, sliding: bool, step: Step) -> int:
+        """First slot a sliding layer needs (0 elsewhere, or once slots no longer equal positions)."""
+        if not sliding or self.layout.window is None or not self.contiguous:
+            return 0
+        return max(0, int(step.positions.min()) - self.layout.window + 1)
+
+    def mask(self, layer: int, sliding: bool, step: Step, start: int = 0) -> torch.Tensor | None:
+        """Additive mask over slots ``start .. length+n-1`` for the folded query rows: ``[g*n, L]``
+        (the same for every head) or ``[H_kv, g*n, L]`` (sliding layers after eviction), or None."""
+        window = self.layout.window if sliding else None
+        if self.contiguous or window is None:
+            return grouped(visibility(self.length, step.positions, step.new_mask, window, start)[1],
+                           self.layout.group, self.dtype)
+        n, a = step.n, self.length
+        vis = visibility(a, step.positions, step.new_mask, None, start)[0]  # [n, L] or None
+        near = in_window(self.pos[layer, :, start:a + n], step.positions, window)  # [H_kv, n, L]
+        vis = near if vis is None else vis & near
+        if n == 1 and bool(vis.all()):
+            return None
+        return grouped(vis, self.layout.group, self.dtype)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``q [n, H, d]`` over ``k, v [H_kv, L, d]`` with this model's scale and soft-capping -> ``[n, H*d]``."""
+        return attention(q, k, v, mask, self.layout.scale, self.layout.softcap)
+
+    def attend_all(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   step: Step) -> torch.Tensor:
+        """Write the new entries and attend over every held slot (a sliding layer over its window)."""
+        self.write(layer, k, v)
+        end = self.length + step.n
+        start = self.window_start(sliding, step)
+        mask = self.mask(layer, sliding, step, start)
+        return self.attend(q, self.kv[layer, 0, :, start:end], self.kv[layer, 1, :, start:end], mask)
+
+    def attend_block(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: torch.Tensor,
+                     step: Step) -> torch.Tensor:
+        """Sparse read (TidalDecode, Quest): write the new entries ``k, v [n, H_kv, d]`` into the cache
+        and after the ``c`` cached entries already in ``block [2, H_kv, c + n, d]``; attend over the block."""
+        n = step.n
+        self.write(layer, k, v)
+        c = block.shape[2] - n
+        block[0, :, c:] = k.transpose(0, 1)
+        block[1, :, c:] = v.transpose(0, 1)
+        mask = grouped(visibility(c, step.positions, step.new_mask, None)[0], self.layout.group, self.dtype)
+        return self.attend(q, block[0], block[1], mask)

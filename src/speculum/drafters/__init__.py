@@ -1,0 +1,65 @@
+"""Drafters: one file per drafting method, and the registry that names them.
+
+A drafter proposes a :class:`~speculum.tree.DraftTree` below the root each step and learns from what
+the target accepted (:class:`~speculum.drafters.base.Drafter`). Adding one is one file and one line
+in :data:`DRAFTERS`; every engine method (:mod:`speculum.methods`) is a registry entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from .ar import AutoregressiveDrafter
+from .auto import AutoDrafter
+from .base import Drafter
+from .draft_model import DraftModelDrafter
+from .mix import MixDrafter
+from .ngram import NgramDrafter
+from .recycling import RecyclingDrafter
+from .suffix import SuffixDrafter
+from .suffix_merged import SuffixMergedDrafter
+
+
+@dataclass(frozen=True)
+class DrafterEntry:
+    """How to build one named drafter.
+
+    ``factory(**options)`` makes it (``draft_model=`` is passed when ``needs_draft_model``);
+    ``scored``: its trees carry acceptance scores, so the engine sizes them to the hardware's cost
+    curve (:class:`~speculum.tree_sizing.TreeSizer`); ``max_tree``: the engine's budget of drafted
+    nodes per step.
+    """
+
+    factory: Callable[..., Drafter]
+    summary: str
+    scored: bool = False
+    needs_draft_model: bool = False
+    max_tree: int = 64
+
+
+def _mix(**options) -> MixDrafter:
+    return MixDrafter([SuffixMergedDrafter(), RecyclingDrafter(tree="scored", pair_context=True)], **options)
+
+
+# the registry: a drafter is one file and one line here
+DRAFTERS: dict[str, DrafterEntry] = {
+    "ar": DrafterEntry(AutoregressiveDrafter, "plain decoding through speculum's engine (the baseline of speedup_vs_ar)"),
+    "ngram": DrafterEntry(NgramDrafter, "prompt lookup with an incremental index and adaptive draft length"),
+    "ngram_tree": DrafterEntry(partial(NgramDrafter, branches=4), "prompt lookup drafting a tree from several matches"),
+    "suffix": DrafterEntry(SuffixDrafter, "SuffixDecoding (the paper's rule): per match length, best tree", scored=True),
+    "suffix_merged": DrafterEntry(SuffixMergedDrafter, "speculum's suffix decoding: longest matches merged, "
+                                  "calibrated scores", scored=True),
+    "recycling": DrafterEntry(RecyclingDrafter, "Token Recycling (the paper's rule): static 80-node tree",
+                              max_tree=80),
+    "recycling_scored": DrafterEntry(partial(RecyclingDrafter, tree="scored", pair_context=True),
+                                     "speculum's Token Recycling: best-first tree, token-pair table", scored=True),
+    "mix": DrafterEntry(_mix, "suffix_merged and recycling_scored candidates in one tree", scored=True),
+    "auto": DrafterEntry(AutoDrafter, "a bandit over mix / ngram / none by measured tokens per second", scored=True),
+    "draft_model": DrafterEntry(DraftModelDrafter, "a smaller model with the same tokenizer drafts chains",
+                                needs_draft_model=True),
+}
+
+__all__ = ["DRAFTERS", "AutoDrafter", "AutoregressiveDrafter", "DraftModelDrafter", "Drafter", "DrafterEntry",
+           "MixDrafter", "NgramDrafter", "RecyclingDrafter", "SuffixDrafter", "SuffixMergedDrafter"]

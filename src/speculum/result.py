@@ -1,0 +1,65 @@
+"""What a generation returns: the tokens and text, why it ended, and per-step statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepStats:
+    """One target forward: how many tokens were drafted and accepted, and where the time went."""
+
+    drafted: int
+    accepted: int  # drafted tokens accepted (the bonus token is not counted)
+    committed: int  # tokens added to the output by this step (accepted + bonus, after stop truncation)
+    draft_s: float
+    verify_s: float
+    other_s: float
+    forced: int = 0  # drafted tokens the grammar forced (jump-forward), included in ``drafted``
+    mask_s: float = 0.0  # grammar work: pruning the tree and computing the masks (in draft_s)
+
+
+@dataclass
+class GenerationResult:
+    prompt_tokens: int
+    tokens: list[int]  # generated token ids (an EOS that ended generation included)
+    text: str  # generated text, stop string excluded
+    finish_reason: str  # "eos" | "length" | "stop" | "context" | "closed"
+    time_s: float  # prefill + decode wall time
+    prefill_s: float
+    forwards: int  # target forward passes that produced tokens (engine: one per step)
+    steps: list[StepStats] = field(default_factory=list)  # per-step detail (engine methods only)
+    kv_bytes: int = 0  # the most bytes the KV cache held (committed entries; 0 where not measured)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tok_s(self) -> float:
+        return self.new_tokens / self.time_s if self.time_s > 0 else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens committed per target forward pass (1.0 for plain decoding)."""
+        return self.new_tokens / self.forwards if self.forwards else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "new_tokens": self.new_tokens,
+            "time_s": round(self.time_s, 4),
+            "tok_s": round(self.tok_s, 3),
+            "mean_accepted": round(self.mean_accepted, 4),
+            "steps": self.forwards,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "drafted": sum(s.drafted for s in self.steps),
+            "accepted": sum(s.accepted for s in self.steps),
+            "time_draft_s": round(sum(s.draft_s for s in self.steps), 4),
+            "time_verify_s": round(sum(s.verify_s for s in self.steps), 4),
+            "time_other_s": round(sum(s.other_s for s in self.steps), 4),
+            "forced": sum(s.forced for s in self.steps),
+            "time_mask_s": round(sum(s.mask_s for s in self.steps), 4),
+            "kv_bytes": self.kv_bytes,
+        }

@@ -1,0 +1,146 @@
+"""The runner protocol: what the engine, drafters and calibration need from a model.
+
+A runner turns token ids into logits against a KV cache. Two calls do the work:
+
+- :meth:`RunnerBase.prefill` commits a run of tokens to the cache (in chunks), optionally
+  returning the hidden states of chosen layers for every token;
+- :meth:`RunnerBase.forward` scores ``[root] + tree`` in one forward pass: ``n + 1`` rows at
+  positions ``cache.position + [0] + depths`` under the tree's ancestor mask, their KV entries left
+  pending. It returns a :class:`Forward`: logits for every row and, when asked, the hidden states
+  of chosen layers for every row (nothing is collected when nothing is asked).
+
+:meth:`RunnerBase.commit` keeps the root and the accepted path. A runner that runs a KV policy
+(:class:`~speculum.runners.policy.PolicyRunner`) lets the policy act there; the engine never calls
+a policy itself.
+
+Hidden-state layers are numbered as transformers' ``output_hidden_states``: ``0`` is the embedding
+output (the first layer's input), ``i`` the output of the ``i``-th decoder layer, and the last,
+``num_layers``, the final norm's output (what the LM head reads).
+
+A subclass provides :meth:`new_cache` and :meth:`_run`, one forward over ids at given positions;
+the prefill loop and the forward prologue (positions and the tree mask) are here, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ..attention import Step
+from ..cache import KVCache
+from ..errors import SpeculumError
+from ..tree import DraftTree
+
+
+@dataclass
+class Forward:
+    """One forward's outputs for its ``n`` rows."""
+
+    logits: torch.Tensor  # [n, V] ([1, V] for a prefill chunk: its last row only)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, D], the layers asked for
+
+
+class Runner(Protocol):
+    """What the engine needs from a model (implemented by :class:`RunnerBase`)."""
+
+    vocab_size: int  # width of the logits (may exceed the tokenizer's vocabulary)
+    device: torch.device
+    dtype: torch.dtype
+    max_positions: int  # the model's context: a prompt must be shorter
+    max_length: int  # the longest sequence (prompt + output) this runner can decode
+
+    def new_cache(self, capacity: int) -> KVCache: ...
+
+    def prefill(self, cache: KVCache, token_ids: list[int], hidden_layers: Sequence[int] = (),
+                query_start: int | None = None) -> dict[int, torch.Tensor]: ...
+
+    def forward(self, cache: KVCache, root: int, tree: DraftTree,
+                hidden_layers: Sequence[int] = ()) -> Forward: ...
+
+    def commit(self, cache: KVCache, keep: list[int] | None = None) -> None: ...
+
+
+def layer_types(config) -> list[str]:
+    """``"full_attention"`` or ``"sliding_attention"`` per layer.
+
+    transformers configs list them (``layer_types``) for Gemma-3, Qwen2/3 and others; Mistral
+    configs only give ``sliding_window``, which then applies to every layer.
+    """
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    if getattr(config, "model_type", "") == "mistral" and getattr(config, "sliding_window", None):
+        return ["sliding_attention"] * n
+    return ["full_attention"] * n
+
+
+class RunnerBase:
+    """The shared half of every runner. Subclasses set the attributes of :class:`Runner` and
+    ``num_layers``, ``prefill_chunk``, and implement :meth:`new_cache` and :meth:`_run`."""
+
+    num_layers: int
+    prefill_chunk: int = 256
+    device: torch.device
+    max_positions: int
+
+    @property
+    def max_length(self) -> int:
+        return self.max_positions
+
+    def new_cache(self, capacity: int = 1024) -> KVCache:
+        raise NotImplementedError
+
+    def _run(self, cache: KVCache, ids: list[int], step: Step, last_only: bool,
+             hidden_layers: Sequence[int]) -> Forward:
+        """One forward of ``ids`` at ``step.positions`` after the cache's committed entries (left pending)."""
+        raise NotImplementedError
+
+    def _check_layers(self, hidden_layers: Sequence[int]) -> None:
+        bad = [i for i in hidden_layers if not 0 <= i <= self.num_layers]
+        if bad:
+            raise SpeculumError(f"hidden-state layers are 0..{self.num_layers} (0: embeddings, "
+                                f"{self.num_layers}: the final norm's output); got {bad}")
+
+    @torch.inference_mode()
+    def prefill(self, cache: KVCache, token_ids: list[int], hidden_layers: Sequence[int] = (),
+                query_start: int | None = None) -> dict[int, torch.Tensor]:
+        """Commit ``token_ids`` to the cache in chunks of ``prefill_chunk`` tokens (chunks bound the
+        attention's memory); returns ``{layer: [len(token_ids), D]}`` for ``hidden_layers``.
+        ``query_start`` matters only under a KV policy (see :class:`~speculum.runners.policy.PolicyRunner`)."""
+        self._check_layers(hidden_layers)
+        cache.reserve(cache.length + len(token_ids))
+        parts: dict[int, list[torch.Tensor]] = {i: [] for i in hidden_layers}
+        for start in range(0, len(token_ids), self.prefill_chunk):
+            chunk = token_ids[start:start + self.prefill_chunk]
+            step = Step(torch.arange(cache.position, cache.position + len(chunk), device=self.device), None)
+            out = self._run(cache, chunk, step, True, hidden_layers)
+            cache.commit()
+            for i, h in out.hidden.items():
+                parts[i].append(h)
+        return {i: torch.cat(hs) for i, hs in parts.items() if hs}
+
+    def step_for(self, cache: KVCache, tree: DraftTree) -> Step:
+        """The prologue of a tree forward: positions ``[n + 1]`` (root first) and the ancestor mask
+        (None for a chain: causal)."""
+        positions = torch.tensor([0] + tree.depths(), device=self.device) + cache.position
+        return Step(positions, None if tree.is_chain else tree.ancestor_mask(self.device))
+
+    @torch.inference_mode()
+    def forward(self, cache: KVCache, root: int, tree: DraftTree, hidden_layers: Sequence[int] = ()) -> Forward:
+        """Logits ``[n + 1, V]`` (and hidden states) for ``[root] + tree.tokens``; their KV entries are
+        left pending."""
+        if hidden_layers:
+            self._check_layers(hidden_layers)
+        return self._run(cache, [root] + tree.tokens, self.step_for(cache, tree), False, hidden_layers)
+
+    def forward_tree(self, cache: KVCache, root: int, tree: DraftTree) -> torch.Tensor:
+        """:meth:`forward`'s logits ``[n + 1, V]`` alone."""
+        return self.forward(cache, root, tree).logits
+
+    def commit(self, cache: KVCache, keep: list[int] | None = None) -> None:
+        """Keep the pending entries at indices ``keep`` (root first; None: all of them)."""
+        cache.commit(keep)
