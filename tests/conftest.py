@@ -19,8 +19,13 @@ _SUITE_CACHE: str | None = None
 
 def pytest_configure(config):
     """The suite owns its cache directory: a new, empty one per run, filled by the tests themselves
-    (dequantized weights, calibration curves), so that no test depends on what an earlier run left."""
+    (dequantized weights, calibration curves), so that no test depends on what an earlier run left.
+    Under pytest-xdist the controller makes it and its workers (which inherit the environment) share
+    it; each worker runs torch on one thread, so that the workers do not compete for the cores."""
     global _SUITE_CACHE
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+        return
     _SUITE_CACHE = tempfile.mkdtemp(prefix="speculum-test-cache-")
     os.environ["SPECULUM_CACHE"] = _SUITE_CACHE
 

@@ -89,3 +89,15 @@ def test_gemma3_float32_lossless_past_window(gemma3_f32):
     for name in ("ngram", "mix", "auto"):  # chains, and trees from every tree source (mix, auto)
         assert build_method(name, model, tok, runner=runner).run(ids, NEW).tokens == ref, name
     _check_methods(model, tok, chat=False, cross_check=False)  # the HF runner was checked above (slow here)
+
+
+def test_hf_assisted_drafts_across_tokenizers(smollm2_f32, gemma3_f32):
+    """transformers' universal assisted decoding: Gemma-3 (another tokenizer) drafts for SmolLM2
+    through ``hf_assisted``, and the greedy output equals plain ``hf``'s."""
+    model, tok = smollm2_f32
+    draft, draft_tok = gemma3_f32
+    ids = encode_prompt(tok, PROMPTS[4], chat=True)
+    ref = build_method("hf", model, tok).run(ids, 24).tokens
+    out = build_method("hf_assisted", model, tok, draft, draft_tok).run(ids, 24)
+    assert out.tokens == ref
+    assert out.forwards < len(ref)  # the draft's tokens were accepted: fewer target forwards than tokens
