@@ -26,7 +26,7 @@ demo: setup
 
 test: setup
 	$(BIN)/lint-imports  # the layering contracts in pyproject.toml
-	$(BIN)/python -m pytest -q --durations=10
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=25  # two workers, one torch thread each
 
 lint: setup
 	$(BIN)/ruff check src tests

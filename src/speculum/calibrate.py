@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .models import cache_dir, write_atomic
 from .tree import DraftTree
 from .tree_sizing import CostModel, best_size
 from .verify import greedy_tokens
@@ -96,8 +97,6 @@ def measure(runner, token_counts=TOKEN_COUNTS, contexts=None, repeats: int = REP
 
 
 def _path(key: str):
-    from .models import cache_dir
-
     return cache_dir() / "calibration" / f"{key}.json"
 
 
@@ -124,10 +123,9 @@ def load_or_measure(runner, progress: bool = False, force: bool = False,
         if announce is not None:
             announce()
         cost = measure(runner, contexts=contexts, progress=progress)
-        path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"model": getattr(runner.config, "_name_or_path", ""), "dtype": str(runner.dtype),
                 "device": str(runner.device), "machine": _machine(), "cost": cost.to_dict()}
-        path.write_text(json.dumps(meta, indent=1))
+        write_atomic(path, json.dumps(meta, indent=1))
     _MEASURED[key] = cost
     return cost
 

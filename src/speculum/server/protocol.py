@@ -24,6 +24,18 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def refuse_set(field: str, message: str):
+    """A validator for a field the server does not implement: a set value (anything but ``None``,
+    ``False``, ``0`` or empty) is a 400 with ``message``, instead of being silently ignored."""
+
+    def check(cls, v):
+        if v:
+            raise ValueError(message)
+        return v
+
+    return field_validator(field)(check)
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -90,12 +102,7 @@ class CommonParams(BaseModel):
             raise ValueError("only n=1 is supported")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v):
-        if v not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        return v
+    _no_logprobs = refuse_set("logprobs", "logprobs are not supported")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -108,12 +115,7 @@ class CompletionRequest(CommonParams):
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v):
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    _no_echo = refuse_set("echo", "echo is not supported")
 
 
 class ChatMessage(BaseModel):
@@ -139,9 +141,4 @@ class ChatCompletionRequest(CommonParams):
     max_completion_tokens: int | None = None
     tools: Any = None
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v):
-        if v:
-            raise ValueError("tools are not supported")
-        return v
+    _no_tools = refuse_set("tools", "tools are not supported")
