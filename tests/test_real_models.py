@@ -114,12 +114,12 @@ def _perplexity(model, context: list[int], segment: list[int]) -> float:
 
 
 def test_smollm2_streaming_runs_three_contexts(smollm2_f32, monkeypatch):
-    """StreamingLLM on a real model: SmolLM2, its context cut to 256 positions so that the test takes
-    a minute (the full 3 x 8192 run is in BENCHMARKS.md), generates 768 tokens in one request under
-    ``streaming`` with a 96-token budget. The request ends on its length, the cache stays within the
-    budget, no position the model reads reaches the context, and the text stays coherent: the last
-    256 tokens, read fresh by the full model after the 256 before them, are about as likely as the
-    first 256 (perplexity within 2x) and not a loop."""
+    """StreamingLLM on a real model: SmolLM2, its context cut to 256 positions so that the test
+    takes two minutes (``benchmarks/streaming_long.py`` runs the full 3 x 8192), generates 768
+    tokens in one request under ``streaming`` with a 96-token budget. The request ends on its
+    length, the cache stays within the budget, no position the model reads reaches the context,
+    and the text stays coherent: the last 256 tokens, read fresh by the full model after the 256
+    before them, are about as likely as the first 256 (perplexity within 2x) and not a loop."""
     from speculum import SamplingParams
     from speculum.attention import Rotary
     from speculum.drafters import AutoregressiveDrafter
