@@ -122,6 +122,12 @@ def in_window(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int) -> to
     return key_pos[..., None, :] > query_pos[:, None] - window
 
 
+def window_start(positions: torch.Tensor, window: int | None) -> int:
+    """The first position any of the queries at ``positions [n]`` still sees through a sliding
+    ``window`` (0 without one): keys before it can be skipped."""
+    return 0 if window is None else max(0, int(positions.min()) - window + 1)
+
+
 def visibility(length: int, positions: torch.Tensor, new_mask: torch.Tensor | None, window: int | None,
                start: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Which keys ``n`` new tokens see after ``length`` cached ones: ``(full, sliding)``, each a

@@ -25,7 +25,7 @@ import torch
 from .calibrate import load_or_measure
 from .constrain.matcher import compile_constraint
 from .drafters import DRAFTERS
-from .drafters.draft_model import check_same_tokenizer
+from .drafters.draft_model import check_same_tokenizer, same_tokenizer
 from .engine import Engine, GenerationResult, default_eos_ids
 from .errors import SpeculumError
 from .runners import Runner, runner_for, weights_released
@@ -151,9 +151,8 @@ def check_draft(name: str, model, tokenizer, draft_model, draft_tokenizer) -> No
     transformers can map between them (universal assisted decoding needs the vocabularies' sizes
     to differ, which is how it tells the case apart)."""
     if name == "hf_assisted":
-        same = tokenizer is None or draft_tokenizer is None or tokenizer.get_vocab() == draft_tokenizer.get_vocab()
         sizes = [m.config.get_text_config().vocab_size for m in (model, draft_model)]
-        if not same and sizes[0] == sizes[1]:
+        if sizes[0] == sizes[1] and not same_tokenizer(tokenizer, draft_tokenizer):
             raise SpeculumError("hf_assisted: the draft model's tokenizer differs from the target's but its "
                                 "vocabulary has the same size, which transformers' universal assisted decoding "
                                 "cannot tell apart from a shared tokenizer")
@@ -190,7 +189,7 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
         if name == "hf_pld":
             return HFMethod(name, model, tokenizer, prompt_lookup=options.get("prompt_lookup_num_tokens", 10))
         if name == "hf_assisted":
-            other = draft_tokenizer is not None and tokenizer.get_vocab() != draft_tokenizer.get_vocab()
+            other = not same_tokenizer(tokenizer, draft_tokenizer)  # universal assisted decoding
             return HFMethod(name, model, tokenizer, assistant=draft_model,
                             assistant_tokenizer=draft_tokenizer if other else None)
         return HFMethod(name, model, tokenizer)

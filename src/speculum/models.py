@@ -127,7 +127,6 @@ def file_sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     memo[key] = h.hexdigest()
-    memo_path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(memo_path, json.dumps(memo, indent=0))
     return memo[key]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import AttentionLayout, Step, attention, grouped, in_window, visibility
+from ..attention import AttentionLayout, Step, attention, grouped, in_window, visibility, window_start
 from .static import StaticKVCache
 
 
@@ -151,9 +151,9 @@ class PositionedKVCache(StaticKVCache):
     # -- attention -------------------------------------------------------------------------------
     def window_start(self, sliding: bool, step: Step) -> int:
         """First slot a sliding layer needs (0 elsewhere, or once slots no longer equal positions)."""
-        if not sliding or self.layout.window is None or not self.contiguous:
+        if not sliding or not self.contiguous:
             return 0
-        return max(0, int(step.positions.min()) - self.layout.window + 1)
+        return window_start(step.positions, self.layout.window)
 
     def mask(self, layer: int, sliding: bool, step: Step, start: int = 0) -> torch.Tensor | None:
         """Additive mask over slots ``start .. length+n-1`` for the folded query rows: ``[g*n, L]``

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import AttentionLayout, Step, attention, grouped, visibility
+from ..attention import AttentionLayout, Step, attention, grouped, visibility, window_start
 from .base import KVCache
 
 
@@ -166,8 +166,7 @@ class QuantKVCache(KVCache):
         self.resid[layer, 0, :, r:r + n] = k.transpose(0, 1)
         self.resid[layer, 1, :, r:r + n] = v.transpose(0, 1)
         window = s.window if sliding else None
-        first = 0 if window is None else max(0, int(step.positions.min()) - window + 1)
-        start = min(first, self.tq) // self.group * self.group
+        start = min(window_start(step.positions, window), self.tq) // self.group * self.group
         rk, rv = self.resid[layer, 0, :, : r + n], self.resid[layer, 1, :, : r + n]
         if start < self.tq:
             dk, dv = self.dequantized(layer, start)

@@ -89,12 +89,12 @@ class ConstraintSpec:
         return LLMatcher.grammar_from_lark(self.value)
 
 
-def pick_constraint(*, json_schema: dict | str | None = None, strict: bool = True, json_object: bool = False,
+def pick_constraint(*, json_schema: dict | None = None, strict: bool = True, json_object: bool = False,
                     regex: str | None = None, choice: list[str] | None = None, grammar: str | None = None,
                     names: str = "a JSON schema, a JSON object, a regex, choices or a grammar") -> ConstraintSpec | None:
     """The one constraint a request asks for (None for none), as the CLI and the server read it.
 
-    ``json_schema`` (a dict or JSON text) is closed in OpenAI's strict mode when ``strict``
+    ``json_schema`` (parsed JSON) is closed in OpenAI's strict mode when ``strict``
     (:func:`strict_schema`); ``names`` lists the options in the caller's words for the error raised
     when more than one is given.
     """
@@ -105,11 +105,6 @@ def pick_constraint(*, json_schema: dict | str | None = None, strict: bool = Tru
     if not given:
         return None
     if json_schema is not None:
-        if isinstance(json_schema, str):
-            try:
-                json_schema = json.loads(json_schema)
-            except json.JSONDecodeError as e:
-                raise SpeculumError(f"the JSON schema is not valid JSON: {e}") from None
         return ConstraintSpec.json_schema(strict_schema(json_schema) if strict else json_schema)
     if json_object:
         return ConstraintSpec.json_object()

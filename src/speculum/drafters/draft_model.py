@@ -20,11 +20,15 @@ from ..verify import Acceptance
 from .base import Drafter
 
 
+def same_tokenizer(target_tokenizer, draft_tokenizer) -> bool:
+    """Whether both tokenizers map the same strings to the same ids (True when either is unknown)."""
+    return (target_tokenizer is None or draft_tokenizer is None
+            or target_tokenizer.get_vocab() == draft_tokenizer.get_vocab())
+
+
 def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
     """Raise :class:`SpeculumError` unless both tokenizers map the same strings to the same ids."""
-    if target_tokenizer is None or draft_tokenizer is None:
-        return
-    if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
+    if not same_tokenizer(target_tokenizer, draft_tokenizer):
         raise SpeculumError(
             "the draft model's tokenizer differs from the target's: draft_model needs a shared vocabulary "
             "(use hf_assisted for transformers' universal assisted decoding)"

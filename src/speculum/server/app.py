@@ -62,7 +62,6 @@ class ServerState:
         return self.methods[name]
 
 
-
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="speculum", description="OpenAI-compatible server with speculative decoding")
     app.state.speculum = state
