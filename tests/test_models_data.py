@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from speculum.bench.data import demo_prompts_path, load_prompts
 from speculum.errors import SpeculumError
@@ -51,3 +52,15 @@ def test_per_task_selection_spreads_mt_bench(tmp_path):
 def test_demo_prompts_cover_all_tasks():
     tasks = {p.task for p in load_prompts(demo_prompts_path())}
     assert tasks == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
+
+
+@pytest.mark.parametrize("native_bf16,expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_dtype_follows_the_cpu(monkeypatch, native_bf16, expected):
+    """``auto`` (and no dtype) is bfloat16 only on CPUs that run it natively; names still win."""
+    from speculum import models
+
+    monkeypatch.setattr(models, "cpu_runs_bfloat16", lambda: native_bf16)
+    assert models.parse_dtype("auto", "cpu") == expected
+    assert models.parse_dtype(None, "cpu") == expected
+    assert models.parse_dtype("bf16", "cpu") == torch.bfloat16
+    assert models.dtype_name(models.parse_dtype("AUTO", "cpu")) == str(expected).removeprefix("torch.")

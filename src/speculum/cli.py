@@ -27,11 +27,15 @@ def _add_runner_arg(p: argparse.ArgumentParser) -> None:
                         "default). The hf* baselines always run transformers' generate.")
 
 
+DTYPE_HELP = ("auto (default: bfloat16 on a GPU or on a CPU with bfloat16 instructions, AVX-512 BF16 or AMX; "
+              "float32 on other CPUs, where bfloat16 is emulated and slower), bfloat16, float32 or float16")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct, packaged), 'gemma3' (Gemma-3-270M base, packaged), "
                         "a .gguf file, a local Hugging Face directory or a hub id (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default, fastest on CPU), float32 or float16")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--draft-model", default=None,
                    help="draft model for the draft_model and hf_assisted methods (same tokenizer as --model)")
@@ -116,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "lengths for each dtype, cache the curve (the tree sizer reads it), print "
                                    "it with the tree budget it implies, and plot it.")
     c.add_argument("--model", default="default", help="as for generate (default: %(default)s)")
-    c.add_argument("--dtypes", default="bfloat16,float32",
-                   help="comma-separated dtypes to calibrate (default: %(default)s)")
+    c.add_argument("--dtypes", default="auto,float32",
+                   help="comma-separated dtypes to calibrate; auto is the one runs use by default (see "
+                        "generate --dtype) (default: %(default)s)")
     c.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     c.add_argument("--runners", default="auto",
                    help="comma-separated runners to calibrate: auto, native, hf (default: %(default)s)")
@@ -167,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="when the policy compresses: with the question (aware) or before it (agnostic)")
     lc.add_argument("--out", default="longctx-out", help="output directory (default: %(default)s)")
     lc.add_argument("--model", default="default", help="as for generate (default: %(default)s)")
-    lc.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32 or float16")
+    lc.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     lc.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     chat_lc = lc.add_mutually_exclusive_group()
     chat_lc.add_argument("--chat", dest="chat", action="store_true", default=None,
@@ -180,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "and Prometheus /metrics. Requests run one at a time; pick a drafter per "
                                    "request with extra_body={'speculum': {'method': 'ngram'}}.")
     s.add_argument("--model", default="default", help="as for generate (default: %(default)s)")
-    s.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float32 or float16")
+    s.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     s.add_argument("--method", default="auto", help=f"default drafter: {', '.join(ENGINE_METHODS[:-1])} "
                                                      "(default: %(default)s)")
@@ -302,7 +307,7 @@ def cmd_bench(args) -> int:
         model, tok, _, _ = _load(args, methods)
         text, out = bench_structured(model, tok, cases, methods, args.n_schemas, args.max_new_tokens, args.chat,
                                      not args.no_progress, args.close_reserve,
-                                     bench_meta(model, args.dtype, _settings(args)), args.out)
+                                     bench_meta(model, _settings(args)), args.out)
         print(text)
         print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'per_schema.jsonl'}")
         return 0
@@ -313,7 +318,7 @@ def cmd_bench(args) -> int:
     model, tok, draft, draft_tok = _load(args, methods)
     results, records = run_benchmark(model, tok, prompts, methods, args.max_new_tokens, sampling, args.chat,
                                      draft, draft_tok, seed=args.seed or 0, progress=not args.no_progress)
-    meta = bench_meta(model, args.dtype, _settings(args))
+    meta = bench_meta(model, _settings(args))
     out = write_outputs(args.out, results, records, meta)
     print(markdown_table({**meta, **results}))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'speedup.png'}")
@@ -322,7 +327,7 @@ def cmd_bench(args) -> int:
 
 def cmd_calibrate(args) -> int:
     from .calibrate import CONTEXTS, load_or_measure, write_report
-    from .models import load, parse_dtype
+    from .models import dtype_name, load, parse_dtype
     from .runners import RUNNER_KINDS, runner_for
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -337,8 +342,7 @@ def cmd_calibrate(args) -> int:
         raise SpeculumError("--contexts takes comma-separated token counts, e.g. 64,512") from None
     if not contexts or min(contexts) < 1:
         raise SpeculumError("--contexts takes positive token counts")
-    for d in dtypes:
-        parse_dtype(d)
+    dtypes = list(dict.fromkeys(dtype_name(parse_dtype(d, args.device)) for d in dtypes))  # auto: its name
     curves, labels = {}, {}
     for d in dtypes:
         model, _ = load(args.model, d, args.device)
@@ -360,7 +364,7 @@ def cmd_longctx(args) -> int:
     import torch
 
     from .bench.longctx import ONEDNN_CACHE, Suite, markdown, run_longctx, write_outputs
-    from .models import load
+    from .models import dtype_name, load
     from .runners import release_if_native
 
     suite = Suite.parse(args.lengths, args.tasks, args.policies, args.budget, args.samples, args.values)
@@ -371,7 +375,7 @@ def cmd_longctx(args) -> int:
     records = run_longctx(model, tok, suite.lengths, suite.tasks, suite.policies, suite.budgets, suite.samples,
                           args.protocol, args.chat, values=tuple(suite.values))
     meta = {"command": "speculum " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "model": args.model,
-            "values": suite.values, "dtype": args.dtype, "protocol": args.protocol,
+            "values": suite.values, "dtype": dtype_name(next(model.parameters()).dtype), "protocol": args.protocol,
             "threads": torch.get_num_threads(),
             "onednn_primitive_cache": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
     rows = write_outputs(args.out, records, meta)

@@ -25,6 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ..methods import build_method
+from ..models import dtype_name
 from ..prompts import encode_prompt
 from ..runners import runner_for
 from ..sampling import SamplingParams
@@ -165,11 +166,12 @@ def write_outputs(out_dir: str | Path, results: dict, records: list[Record], met
     return out
 
 
-def bench_meta(model, dtype: str, args: dict) -> dict:
-    """What a report says about the run: model, dtype, machine, versions, settings and date."""
+def bench_meta(model, args: dict) -> dict:
+    """What a report says about the run: model, dtype (the weights', so ``auto`` shows what it chose),
+    machine, versions, settings and date."""
     return {
         "model": getattr(model, "speculum_name", model.config.name_or_path),
-        "dtype": dtype,
+        "dtype": dtype_name(next(model.parameters()).dtype),
         "machine": machine_info(next(model.parameters()).device),
         "versions": versions(),
         "settings": args,

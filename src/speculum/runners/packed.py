@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from ..models import cpu_runs_bfloat16
+
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
     """``x [..., in] -> [..., out]`` on oneDNN-prepacked weights for a bfloat16 CPU linear layer, or
@@ -19,7 +21,7 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
     ``SPECULUM_PACKED_LINEAR=0``). The packed copy is made once, here."""
     if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu"
             or os.environ.get("SPECULUM_PACKED_LINEAR", "1") == "0"
-            or not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
+            or not cpu_runs_bfloat16()):
         return None
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
     bias = None if bias is None else bias.detach()
