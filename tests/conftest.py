@@ -139,3 +139,25 @@ def gemma3_f32():
     import speculum
 
     return speculum.load("gemma3", dtype="float32")
+
+
+def serve_in_thread(app):
+    """Run the ASGI ``app`` under uvicorn on a free loopback port in a daemon thread; returns
+    ``(server, thread, port)`` once it listens (stop it with ``server.should_exit = True``)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if srv.started:
+            break
+        time.sleep(0.05)
+    return srv, thread, port

@@ -106,12 +106,25 @@ class SampledTreeDrafter(Drafter):
         return DraftTree(toks, parents, torch.stack(qs) if qs else None)
 
 
-class NoResidualVerifier(Verifier):
+class RejectionVerifier(Verifier):
+    """Rejection sampling for every tree (keyed sampling off): the point-mass path of SpecInfer's rule."""
+
+    keyed = False
+
+
+class NoResidualVerifier(RejectionVerifier):
     """Wrong on purpose: after a rejection it samples from p instead of norm(max(0, p - q))."""
 
     @staticmethod
     def residual(p, q):
         return p
+
+
+class UnkeyedPositionVerifier(Verifier):
+    """Wrong on purpose: keyed sampling that reuses one uniform for every position."""
+
+    def keyed_token(self, probs, position):
+        return super().keyed_token(probs, 0)
 
 
 def sample_pairs(engine, n, seed0):
@@ -144,9 +157,12 @@ def test_distribution_is_not_degenerate(model):
 
 
 @pytest.mark.parametrize("variant", ["ar", "point_mass_drafts", "draft_model_q", "point_mass_tree",
-                                     "sampled_tree_q"])
+                                     "sampled_tree_q", "point_mass_drafts_rejection", "point_mass_tree_rejection"])
 def test_speculative_sampling_matches_target_distribution(model, variant):
+    """Keyed sampling (point-mass drafts, the default) and rejection sampling both keep p."""
     runner = NativeRunner(model)
+    verifier_cls = RejectionVerifier if variant.endswith("_rejection") else Verifier
+    variant = variant.removesuffix("_rejection")
     if variant == "ar":
         drafter = AutoregressiveDrafter()
     elif variant == "point_mass_drafts":
@@ -157,7 +173,7 @@ def test_speculative_sampling_matches_target_distribution(model, variant):
         drafter = RandomTreeDrafter()
     else:
         drafter = SampledTreeDrafter(tiny_llama(seed=4, vocab=VOCAB, logit_scale=5.0))
-    engine = Engine(runner, drafter, eos_token_ids=[])
+    engine = Engine(runner, drafter, eos_token_ids=[], verifier_cls=verifier_cls)
     n = 20000
     counts = sample_pairs(engine, n, seed0=1000)
     p = chi2_pvalue(counts, exact_joint(model), n)
@@ -174,3 +190,25 @@ def test_skipping_residual_resampling_is_detected(model, shape):
     n = 20000
     p = chi2_pvalue(sample_pairs(engine, n, seed0=5000), exact_joint(model), n)
     assert p < 1e-6
+
+
+def test_keyed_sampling_that_reuses_one_uniform_is_detected(model):
+    engine = Engine(NativeRunner(model), RandomChainDrafter(), eos_token_ids=[], verifier_cls=UnkeyedPositionVerifier)
+    n = 20000
+    p = chi2_pvalue(sample_pairs(engine, n, seed0=7000), exact_joint(model), n)
+    assert p < 1e-6
+
+
+def test_seeded_sampling_is_the_same_under_every_drafter(model):
+    """Keyed sampling: a seed fixes the text, whatever the drafts (float32: exact logits)."""
+    runner = NativeRunner(model)
+    ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
+    chain = Engine(runner, RandomChainDrafter(seed=2), eos_token_ids=[])
+    tree = Engine(runner, RandomTreeDrafter(seed=3), eos_token_ids=[])
+    for seed in (0, 11, -5, (1 << 64) - 1):
+        want = ar.generate(PROMPT, 24, PARAMS, seed=seed).tokens
+        for _ in range(3):  # the random drafters propose different trees each time
+            assert chain.generate(PROMPT, 24, PARAMS, seed=seed).tokens == want
+            assert tree.generate(PROMPT, 24, PARAMS, seed=seed).tokens == want
+    texts = {tuple(ar.generate(PROMPT, 24, PARAMS, seed=s).tokens) for s in range(8)}
+    assert len(texts) > 4  # and different seeds give different texts

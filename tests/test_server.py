@@ -7,8 +7,6 @@ client that disconnects mid-stream, and every bad input the issue lists (OpenAI-
 """
 
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,7 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import uvicorn
+from conftest import serve_in_thread
 
 from speculum.methods import build_method
 from speculum.prompts import encode_prompt
@@ -30,28 +28,15 @@ PERSON = {"type": "object",
           "required": ["name", "age", "city"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(smollm2_f32):
     model, tok = smollm2_f32
     state = ServerState(model, tok, "smollm2", method="ngram", max_queue=16)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    for _ in range(200):
-        if srv.started:
-            break
-        time.sleep(0.05)
+    srv, thread, port = serve_in_thread(create_app(state))
     yield state, f"http://127.0.0.1:{port}"
     srv.should_exit = True
     thread.join(timeout=10)
-    state.worker.close()
+    state.close()
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +205,8 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, clien
     url = server[1] + "/v1"
     chat = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
     post = lambda path, body: httpx.post(url + path, json=body, timeout=60)
-    assert _error(httpx.post(url + "/chat/completions", content=b"{not json", timeout=60), 400)["code"] == "invalid_json"
+    assert _error(httpx.post(url + "/chat/completions", content=b"{not json", timeout=60,
+                             headers={"Content-Type": "application/json"}), 400)["code"] == "invalid_json"
     assert _error(post("/chat/completions", {**chat, "max_tokens": "many"}), 400)["param"] == "max_tokens"
     assert _error(post("/chat/completions", {**chat, "temperature": "hot"}), 400)["param"] == "temperature"
     assert _error(post("/chat/completions", {**chat, "messages": "hi"}), 400)["param"] == "messages"

@@ -197,6 +197,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runner_arg(s)
     s.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the --model argument)")
+    sec = s.add_argument_group("access")
+    sec.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on /v1 routes (401 otherwise); repeat for several "
+                          "keys, each its own tenant; also read from SPECULUM_API_KEY (comma-separated)")
+    sec.add_argument("--allowed-hosts", default=None, metavar="H1,H2",
+                     help="Host header names answered besides the bound address and localhost (DNS-rebinding "
+                          "guard; '*' for any; default: any when --host is 0.0.0.0 or ::)")
+    sec.add_argument("--allowed-origins", default=None, metavar="O1,O2",
+                     help="web origins (e.g. https://app.example) allowed to call the API from a browser (CORS); "
+                          "default: none")
+    sec.add_argument("--share-drafter-state", action="store_true",
+                     help="let every request use what drafters learnt from all others (default: per tenant, "
+                          "i.e. per API key and cache_salt)")
+    sec.add_argument("--no-access-log", action="store_true", help="do not log a line per request on stderr")
+    lim = s.add_argument_group("limits (each breach is a 4xx naming the flag)")
+    lim.add_argument("--max-request-bytes", type=int, default=4 << 20,
+                     help="largest request body (413 beyond; default: %(default)s)")
+    lim.add_argument("--max-prompt-tokens", type=int, default=None,
+                     help="longest prompt, in tokens, after the chat template (default: the model's context)")
+    lim.add_argument("--max-json-depth", type=int, default=64,
+                     help="deepest nesting of a request body, schemas included (default: %(default)s)")
+    lim.add_argument("--max-grammar-bytes", type=int, default=64 << 10,
+                     help="largest regex, grammar, JSON schema or choice list (default: %(default)s)")
+    lim.add_argument("--grammar-timeout", type=float, default=10.0,
+                     help="seconds a constraint may take to compile (default: %(default)s)")
     return parser
 
 
@@ -391,6 +416,8 @@ def cmd_serve(args) -> int:
     from .runners import release_if_native, use_runner
     from .server import ServerState, create_app
     from .server.app import SERVABLE_METHODS
+    from .server.guard import GuardSettings
+    from .server.limits import RequestLimits
 
     if args.method not in SERVABLE_METHODS:
         raise SpeculumError(f"unknown method {args.method!r}; choose from {', '.join(SERVABLE_METHODS)}")
@@ -398,15 +425,33 @@ def cmd_serve(args) -> int:
         raise SpeculumError("--max-queue must be >= 0")
     if not 0 < args.port < 65536:
         raise SpeculumError("--port must be in 1..65535")
+    if min(args.max_request_bytes, args.max_json_depth, args.max_grammar_bytes, args.max_prompt_tokens or 1) < 1 \
+            or args.grammar_timeout <= 0:
+        raise SpeculumError("--max-request-bytes, --max-prompt-tokens, --max-json-depth, --max-grammar-bytes and "
+                            "--grammar-timeout must be positive")
+    split = lambda text: tuple(x.strip() for x in (text or "").split(",") if x.strip())
+    keys = tuple(args.api_key or ()) + split(os.environ.get("SPECULUM_API_KEY"))
+    if any(not k.strip() or any(c.isspace() for c in k) for k in keys):
+        raise SpeculumError("an API key must be non-empty and contain no spaces")
+    guard = GuardSettings(api_keys=keys, allowed_hosts=GuardSettings.hosts_for(args.host, split(args.allowed_hosts)),
+                          max_body_bytes=args.max_request_bytes)
+    limits = RequestLimits(args.max_json_depth, args.max_grammar_bytes, compile_timeout_s=args.grammar_timeout,
+                           max_prompt_tokens=args.max_prompt_tokens)
     model, tok = load(args.model, args.dtype, args.device)
     use_runner(model, args.runner)
     release_if_native(model)  # the server runs only engine methods
     state = ServerState(model, tok, args.served_model_name or args.model, args.method, args.max_queue,
-                        args.max_tree)
+                        args.max_tree, limits, args.share_drafter_state)
+    if not args.no_access_log:
+        logging.getLogger("speculum.access").setLevel(logging.INFO)
+    if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"speculum: warning: listening on {args.host} without an API key: anyone who can reach this "
+              f"port can use the model (--api-key)", file=sys.stderr)
     print(f"speculum: serving {state.model_name!r} ({args.method}) on http://{args.host}:{args.port}/v1",
           file=sys.stderr)
-    uvicorn.run(create_app(state), host=args.host, port=args.port, log_level="warning")
-    state.worker.close()
+    uvicorn.run(create_app(state, guard, split(args.allowed_origins)), host=args.host, port=args.port,
+                log_level="warning")
+    state.close()
     return 0
 
 

@@ -95,7 +95,8 @@ class Engine:
         prompt = [int(t) for t in prompt_ids]
         self._validate(prompt, max_new_tokens)
         runner, drafter = self.runner, self.drafter
-        verifier = self.verifier_cls(sampling, self._generator(sampling, seed))
+        generator = self._generator(sampling, seed)
+        verifier = self.verifier_cls(sampling, generator, key=self._sampling_key(generator, seed))
         guide = guide_for(grammar, runner.vocab_size)
         stops = Stops(self.tokenizer, self.eos_ids, stop, max_new_tokens, runner.max_length)
 
@@ -119,7 +120,7 @@ class Engine:
             tree = guide.bind(tree)
             t_b = time.perf_counter()
             logits = guide.mask(runner.forward(cache, tokens[-1], tree).logits)  # verify
-            acc = verifier.accept(tree, logits)
+            acc = verifier.accept(tree, logits, position=len(tokens))
             t_c = time.perf_counter()
             runner.commit(cache, [0] + [i + 1 for i in acc.path])  # commit
             left = min(max_new_tokens - len(generated), runner.max_length - len(tokens))
@@ -156,6 +157,16 @@ class Engine:
         gen = torch.Generator(device=self.runner.device)
         gen.manual_seed(seed if seed is not None else int(torch.seed() % (1 << 62)))
         return gen
+
+    @staticmethod
+    def _sampling_key(generator: torch.Generator | None, seed: int | None) -> int | None:
+        """The keyed-sampling key (:mod:`speculum.verify`): the seed itself, so that a seeded request
+        samples the same text under every drafter; without a seed, one draw from ``generator``."""
+        if generator is None:
+            return None
+        if seed is not None:
+            return seed
+        return int(torch.randint(0, 1 << 62, (), generator=generator))
 
     def _validate(self, prompt: list[int], max_new_tokens: int) -> None:
         if not prompt:

@@ -15,6 +15,15 @@ node ``i``.
   A deterministic drafter has ``q`` = a point mass on its token, so acceptance is ``p(x)`` and
   the residual is p with x removed. For a chain this is exactly Leviathan/Chen's rule; the
   committed tokens are distributed exactly as plain sampling from p.
+- Keyed sampling (the default for sampled requests whose drafts are point masses, i.e. every
+  model-free drafter): the token at sequence position ``t`` is p_t's inverse CDF at ``u_t``, a
+  uniform number that is a hash of ``(key, t)`` (the key is the request's seed). That is exactly a
+  sample from p_t, like Gumbel-max with noise keyed by ``(key, t)`` but with one number per
+  position instead of ``V``. Verification is the greedy walk on those samples. A drafted token x
+  is accepted with probability p(x), as under rejection sampling, but the output no longer
+  depends on the tree: the same seed gives the same text whatever the drafter proposed or learnt
+  before, and the same text as ``ar``. Decisions read ``u`` of positions up to the bonus token
+  only, so every later position's ``u`` is still unused when its token is chosen.
 """
 
 from __future__ import annotations
@@ -50,17 +59,61 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return logits.max(-1).indices.tolist()
 
 
-class Verifier:
-    """Greedy or lossless-sampling acceptance of a draft tree, depending on ``params``."""
+_MASK64 = (1 << 64) - 1
 
-    def __init__(self, params: SamplingParams, generator: torch.Generator | None = None):
+
+def _splitmix64(x: int) -> int:
+    """One step of SplitMix64 (Steele et al. 2014): a 64-bit integer hash with good avalanche."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_uniform(key: int, position: int) -> float:
+    """A uniform number in ``[0, 1)`` that is a pure function of ``(key, position)`` (53 bits of a
+    SplitMix64 hash): every verification step, tree shape or method that samples sequence position
+    ``position`` of the request keyed ``key`` draws the same number."""
+    return (_splitmix64(_splitmix64(key & _MASK64) ^ position) >> 11) * 2.0 ** -53
+
+
+def inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The token whose cumulative-probability interval holds ``u`` (``probs`` ``[V]``, ``u`` in [0, 1)).
+
+    Zero-probability tokens have empty intervals and are never returned.
+    """
+    cdf = probs.double().cumsum(0)  # [V]
+    idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device),
+                                 right=True))
+    if idx >= probs.shape[0]:  # u * total rounded up to the total: the last token with mass
+        idx = int(torch.nonzero(probs > 0)[-1])
+    return idx
+
+
+class Verifier:
+    """Greedy, keyed-sampling or rejection-sampling acceptance of a draft tree.
+
+    Args:
+        params: the sampling parameters (temperature 0: greedy).
+        generator: the request's random numbers, for rejection sampling (None when greedy).
+        key: the request's key for keyed sampling (its seed, or a random one); None turns
+            keyed sampling off and every sampled tree goes through rejection sampling.
+    """
+
+    keyed = True  # sample point-mass trees by keyed inverse CDF (False: rejection sampling for all)
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator | None = None, key: int | None = None):
         self.params = params
         self.generator = generator
+        self.key = key
 
-    def accept(self, tree: DraftTree, logits: torch.Tensor) -> Acceptance:
-        """``logits``: ``[n + 1, V]`` target logits for ``[root] + tree.tokens``."""
+    def accept(self, tree: DraftTree, logits: torch.Tensor, position: int | None = None) -> Acceptance:
+        """``logits``: ``[n + 1, V]`` target logits for ``[root] + tree.tokens``; ``position``: the
+        sequence position that row 0 predicts (the committed length), needed by keyed sampling."""
         if self.params.greedy:
             return self.accept_greedy(tree, logits)
+        if self.keyed and self.key is not None and position is not None and tree.draft_probs is None:
+            return self.accept_keyed(tree, logits, position)
         return self.accept_sampled(tree, logits)
 
     def accept_greedy(self, tree: DraftTree, logits: torch.Tensor) -> Acceptance:
@@ -81,6 +134,22 @@ class Verifier:
             path.append(match)
             row = match + 1
         return Acceptance(path, [tree.tokens[i] for i in path] + [target[row]], target)
+
+    def keyed_token(self, probs: torch.Tensor, position: int) -> int:
+        """The sampled token at ``position`` (``probs`` ``[V]``): inverse CDF at the keyed uniform."""
+        return inverse_cdf(probs, position_uniform(self.key, position))
+
+    def accept_keyed(self, tree: DraftTree, logits: torch.Tensor, position: int) -> Acceptance:
+        """Greedy walk on the keyed samples of each row on the path (rows off it are never drawn)."""
+        kids = tree.children()
+        path, row, depth = [], 0, 0
+        while True:
+            target = self.keyed_token(self.params.probs(logits[row]), position + depth)
+            match = next((c for c in kids[row] if tree.tokens[c] == target), None)
+            if match is None:
+                return Acceptance(path, [tree.tokens[i] for i in path] + [target])
+            path.append(match)
+            row, depth = match + 1, depth + 1
 
     def accept_sampled(self, tree: DraftTree, logits: torch.Tensor) -> Acceptance:
         probs = self.params.probs(logits)  # [n + 1, V] float32

@@ -10,8 +10,15 @@
 """
 
 from .guide import UNGUIDED, Guide, guide_for
-from .matcher import Grammar, TokenMatcher, compile_constraint, mask_logits, restrict_draft_probs
+from .matcher import (
+           Grammar,
+           TokenMatcher,
+           compile_constraint,
+           ll_tokenizer,
+           mask_logits,
+           restrict_draft_probs,
+)
 from .spec import KINDS, ConstraintSpec, pick_constraint
 
 __all__ = ["KINDS", "UNGUIDED", "ConstraintSpec", "Grammar", "Guide", "TokenMatcher", "compile_constraint",
-           "guide_for", "mask_logits", "pick_constraint", "restrict_draft_probs"]
+           "guide_for", "ll_tokenizer", "mask_logits", "pick_constraint", "restrict_draft_probs"]

@@ -258,7 +258,7 @@ class TokenMatcher:
                 if tok in self.eos_ids:
                     continue  # generation ends at this node: its row is never used
                 if not mc.consume_token(tok):
-                    raise RuntimeError(f"token {tok} is not legal here: prune the tree first")
+                    raise _failure(mc, f"token {tok} is not legal here: prune the tree first")
                 walk(c + 1, mc)
 
         walk(0, self.m.deep_copy() if len(tree) else self.m)
@@ -374,13 +374,22 @@ class TokenMatcher:
             if t in self.eos_ids:  # generation ends here (and llguidance's rollback skips the end token)
                 return
             if not self.m.consume_token(int(t)):
-                raise RuntimeError(f"generated token {t} violates the constraint: {self.m.get_error()}")
+                raise _failure(self.m, f"generated token {t} violates the constraint")
             if self.closer is not None:
                 self.string_state = _string_state(self.closer.texts[int(t)], self.string_state)
 
     def _check(self) -> None:
         if self.m.is_error():
-            raise RuntimeError(f"grammar matcher error: {self.m.get_error()}")
+            raise _failure(self.m, "grammar matcher error")
+
+
+def _failure(m, bug: str) -> Exception:
+    """The error for a matcher ``m`` that refused a token its own mask allowed: llguidance stops
+    (``is_error``) when a constraint exceeds its limits (lexer size, items per step), which is the
+    request's fault (:class:`SpeculumError`: a 400 from the server); anything else is a bug here."""
+    if m.is_error():
+        return SpeculumError(f"the constraint is too complex to follow: {m.get_error()}")
+    return RuntimeError(bug)
 
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

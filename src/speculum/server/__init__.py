@@ -1,6 +1,8 @@
 """speculum's OpenAI-compatible server: ``speculum serve`` (FastAPI + uvicorn).
 
 - :mod:`.protocol`: request shapes and OpenAI-shaped errors.
+- :mod:`.guard`: Host, API key, JSON-only and body-size checks, and the access log.
+- :mod:`.limits`: bounds on nesting, constraint size and compile time.
 - :mod:`.worker`: the generation thread behind a bounded queue.
 - :mod:`.metrics`: Prometheus metrics.
 - :mod:`.app`: the routes.

@@ -1,26 +1,34 @@
 """The OpenAI-compatible HTTP app: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
 ``/health`` and ``/metrics``.
 
-Requests are validated here (OpenAI-shaped 4xx errors), turned into a :class:`~.worker.Job` and
-answered from the worker's token stream, as one JSON body or as server-sent events
-(``data: {chunk}`` ... ``data: [DONE]``). Text is streamed only once it is final: an incomplete
-UTF-8 character, or a tail that may be the start of a stop string, waits for the next tokens.
+Requests pass the :class:`~.guard.Guard` (Host, API key, JSON only, body size), are validated
+here (OpenAI-shaped 4xx errors, :mod:`.limits`), turned into a :class:`~.worker.Job` and answered
+from the worker's token stream, as one JSON body or as server-sent events (``data: {chunk}`` ...
+``data: [DONE]``). Text is streamed only once it is final: an incomplete UTF-8 character, or a
+tail that may be the start of a stop string, waits for the next tokens.
+
+Parsing, tokenizing and grammar compilation run on a small thread pool, not on the event loop, so
+that ``/health`` and other clients are answered while a large request is being prepared.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..constrain import Grammar, compile_constraint, pick_constraint
+from ..constrain import Grammar, compile_constraint, ll_tokenizer, pick_constraint
 from ..engine import default_eos_ids
 from ..errors import SpeculumError
 from ..methods import ENGINE_METHODS, build_method
@@ -28,6 +36,8 @@ from ..prompts import encode_messages
 from ..runners import runner_for
 from ..sampling import SamplingParams
 from ..text_stream import StreamingText
+from .guard import Guard, GuardSettings
+from .limits import RequestLimits, check_constraint_size, load_json
 from .metrics import Metrics
 from .protocol import APIError, ChatCompletionRequest, CommonParams, CompletionRequest
 from .worker import Job, QueueFull, Worker
@@ -38,39 +48,88 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"
 
 
 class ServerState:
-    """The model, its methods (built on first use, sharing one runner), the worker."""
+    """The model, its methods (built on first use, sharing one runner), the worker.
+
+    **Tenants.** Drafters learn from the requests they serve (the suffix cache, the recycling table,
+    ``auto``'s bandit), and what they learnt shows in later responses' speed and acceptance. Each
+    tenant therefore gets its own methods: a tenant is the API key a request carried (see
+    :class:`~.guard.Guard`) together with its ``cache_salt``; requests with neither share the
+    anonymous tenant. ``share_drafter_state=True`` puts every request in one tenant. The
+    ``max_tenants`` most recently active tenants keep their state; older ones start afresh.
+    """
 
     def __init__(self, model, tokenizer, model_name: str, method: str = "auto", max_queue: int = 16,
-                 max_tree: int = 64):
+                 max_tree: int = 64, limits: RequestLimits | None = None, share_drafter_state: bool = False,
+                 max_tenants: int = 64):
         if method not in SERVABLE_METHODS:
             raise SpeculumError(f"unknown method {method!r}; choose from {', '.join(SERVABLE_METHODS)}")
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
         self.default_method, self.max_tree = method, max_tree
+        self.limits = limits or RequestLimits()
+        self.share_drafter_state, self.max_tenants = share_drafter_state, max_tenants
         self.runner = runner_for(model)
         self.context = self.runner.max_positions
         self.eos_ids = default_eos_ids(model, tokenizer)
-        self.methods: dict[str, object] = {}
+        self.tenants: OrderedDict[str, dict[str, object]] = OrderedDict()
+        self._tenants_lock = threading.Lock()
         self.metrics = Metrics()
         self.get_method(method)  # build (and calibrate) the default method before serving
+        try:  # built once here (it holds the interpreter ~0.3 s), not inside a request
+            ll_tokenizer(tokenizer, self.runner.vocab_size, self.eos_ids)
+        except SpeculumError:
+            pass  # no end-of-sequence token or an unusable tokenizer: constrained requests say so
+        self.prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculum-prep")
         self.worker = Worker(self.get_method, self.metrics, max_queue)
         self.created = int(time.time())
 
-    def get_method(self, name: str):
-        if name not in self.methods:
-            self.methods[name] = build_method(name, self.model, self.tokenizer, runner=self.runner,
-                                              max_tree=self.max_tree)
-        return self.methods[name]
+    def tenant(self, api_key_index: int | None, cache_salt: str | None) -> str:
+        """The tenant key of a request (see the class docstring)."""
+        if self.share_drafter_state:
+            return ""
+        return json.dumps([api_key_index, cache_salt])
+
+    def get_method(self, name: str, tenant: str = ""):
+        with self._tenants_lock:
+            methods = self.tenants.get(tenant)
+            if methods is None:
+                methods = self.tenants[tenant] = {}
+                while len(self.tenants) > self.max_tenants:
+                    self.tenants.popitem(last=False)
+            self.tenants.move_to_end(tenant)
+        if name not in methods:
+            methods[name] = build_method(name, self.model, self.tokenizer, runner=self.runner,
+                                         max_tree=self.max_tree)
+        return methods[name]
+
+    def close(self) -> None:
+        self.worker.close()
+        self.prep.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn, *args, timeout: float | None = None):
+        """``fn(*args)`` on the preparation threads; the event loop keeps serving meanwhile."""
+        future = asyncio.get_running_loop().run_in_executor(self.prep, functools.partial(fn, *args))
+        return await (asyncio.wait_for(future, timeout) if timeout else future)
 
 
-def create_app(state: ServerState) -> FastAPI:
+def create_app(state: ServerState, guard: GuardSettings | None = None,
+               allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+    """The app for ``state``. ``guard``: Host names, API keys and body size (default: any Host, no
+    key, 4 MiB); ``allowed_origins``: web origins allowed to call it from a browser (CORS; none by
+    default, so a page elsewhere cannot read its answers)."""
     app = FastAPI(title="speculum", description="OpenAI-compatible server with speculative decoding")
     app.state.speculum = state
+    app.add_middleware(Guard, settings=guard or GuardSettings())
+    if allowed_origins:  # outermost: a preflight is answered before the key is asked for
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         if exc.status < 500:
             state.metrics.rejected.labels(exc.code or exc.type).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -80,6 +139,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
+        if isinstance(exc, RecursionError):  # nesting that got past the depth check: the client's doing
+            return await _api_error(request, APIError("the request is nested too deeply", code="nesting_too_deep"))
         err = APIError(f"internal error: {type(exc).__name__}: {exc}", 500, "server_error")
         return JSONResponse(err.body(), status_code=500)
 
@@ -102,7 +163,7 @@ def create_app(state: ServerState) -> FastAPI:
         if isinstance(req.prompt, str):
             if not req.prompt:
                 raise APIError("prompt is empty", param="prompt")
-            ids = state.tokenizer(req.prompt)["input_ids"]
+            ids = (await state.off_loop(state.tokenizer, req.prompt))["input_ids"]
         else:
             ids = list(req.prompt)
             if not ids or min(ids) < 0 or max(ids) >= state.runner.vocab_size:
@@ -118,7 +179,7 @@ def create_app(state: ServerState) -> FastAPI:
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
         try:
-            ids = encode_messages(state.tokenizer, messages)
+            ids = await state.off_loop(encode_messages, state.tokenizer, messages)
         except SpeculumError as e:
             raise APIError(str(e), param="messages") from None
         if req.max_completion_tokens is not None:
@@ -127,12 +188,26 @@ def create_app(state: ServerState) -> FastAPI:
             req.max_tokens = req.max_completion_tokens
         return await _serve(request, req, list(ids), chat=True)
 
+    async def _parse(request: Request, model_cls):
+        body = await state.off_loop(load_json, await request.body(), state.limits)
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object", code="invalid_json")
+        try:
+            return model_cls.model_validate(body)
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            msg = first["msg"].removeprefix("Value error, ")
+            raise APIError(f"invalid value for {param}: {msg}" if param else msg, param=param,
+                           code="invalid_value") from None
+
     async def _serve(request: Request, req: CommonParams, ids: list[int], chat: bool):
-        job = _make_job(req, ids)
+        job = await _make_job(req, ids, state.tenant(request.scope["state"].get("api_key_index"), req.cache_salt))
         try:
             state.worker.submit(job)
         except QueueFull as e:
-            raise APIError(str(e), 429, "rate_limit_error", code="queue_full") from None
+            raise APIError(str(e), 429, "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(e.retry_after_s)}) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -151,14 +226,20 @@ def create_app(state: ServerState) -> FastAPI:
                     return Response(status_code=499)
         finally:
             if result is None:
-                job.cancelled.set()
+                state.worker.cancel(job)
+        request.scope["state"]["completion_tokens"] = result.new_tokens
         body = _response(rid, chat, state.model_name, result, job.method)
         return JSONResponse(body)
 
-    def _make_job(req: CommonParams, ids: list[int]) -> Job:
+    async def _make_job(req: CommonParams, ids: list[int], tenant: str) -> Job:
         if req.model not in (None, "", state.model_name, "default"):
             raise APIError(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}",
                            404, code="model_not_found", param="model")
+        cap = state.limits.max_prompt_tokens
+        if cap is not None and len(ids) > cap:
+            raise APIError(f"the prompt has {len(ids)} tokens; this server takes at most {cap} "
+                           "(--max-prompt-tokens)", param="messages" if hasattr(req, "messages") else "prompt",
+                           code="prompt_too_long")
         if len(ids) >= state.context:
             raise APIError(f"this model's maximum context length is {state.context} tokens, but the prompt has "
                            f"{len(ids)} tokens", param="messages" if hasattr(req, "messages") else "prompt",
@@ -173,12 +254,17 @@ def create_app(state: ServerState) -> FastAPI:
         if method not in SERVABLE_METHODS:
             raise APIError(f"unknown speculum method {method!r}; choose from {', '.join(SERVABLE_METHODS)}",
                            param="speculum.method")
+        check_constraint_size(req, state.limits)
         try:
             sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
-            grammar = _grammar(req)
+            grammar = await state.off_loop(_grammar, req, timeout=state.limits.compile_timeout_s)
         except SpeculumError as e:
             raise APIError(str(e), param="response_format") from None
-        return Job(method, ids, max_tokens, sampling, req.stop_list(), req.seed, grammar, asyncio.get_running_loop())
+        except TimeoutError:
+            raise APIError(f"the constraint took longer than {state.limits.compile_timeout_s:g} s to compile "
+                           f"(--grammar-timeout)", param="response_format", code="grammar_too_large") from None
+        return Job(method, ids, max_tokens, sampling, req.stop_list(), req.seed, grammar, asyncio.get_running_loop(),
+                   tenant=tenant)
 
     def _grammar(req: CommonParams) -> Grammar | None:
         rf, opts = req.response_format, req.speculum
@@ -224,6 +310,7 @@ def create_app(state: ServerState) -> FastAPI:
                     if delta:
                         yield chunk(delta, None)
                 elif kind == "done":
+                    request.scope["state"]["completion_tokens"] = value.new_tokens
                     rest = text.finish(value.text)
                     if rest:
                         yield chunk(rest, None)
@@ -245,28 +332,28 @@ def create_app(state: ServerState) -> FastAPI:
                     return
         finally:
             if not done:
-                job.cancelled.set()
+                state.worker.cancel(job)
+
+    async def _events(request: Request, job: Job, every_s: float = 0.25) -> AsyncIterator[tuple[str, object]]:
+        """The worker's events for ``job``; ``("disconnected", None)`` (and the job cancelled, its
+        queue slot freed) as soon as the client has gone away, checked at least every ``every_s``
+        seconds, while the job waits and while tokens flow."""
+        checked = time.perf_counter()
+        while True:
+            try:
+                item = await asyncio.wait_for(job.events.get(), timeout=every_s)
+            except TimeoutError:
+                item = None
+            if item is None or time.perf_counter() - checked > every_s:
+                checked = time.perf_counter()
+                if await request.is_disconnected():
+                    state.worker.cancel(job)
+                    yield "disconnected", None
+                    return
+            if item is not None:
+                yield item
 
     return app
-
-
-async def _events(request: Request, job: Job, every_s: float = 0.25) -> AsyncIterator[tuple[str, object]]:
-    """The worker's events for ``job``; ``("disconnected", None)`` (and the job cancelled) as soon as
-    the client has gone away, checked at least every ``every_s`` seconds even while tokens flow."""
-    checked = time.perf_counter()
-    while True:
-        try:
-            item = await asyncio.wait_for(job.events.get(), timeout=every_s)
-        except TimeoutError:
-            item = None
-        if item is None or time.perf_counter() - checked > every_s:
-            checked = time.perf_counter()
-            if await request.is_disconnected():
-                job.cancelled.set()
-                yield "disconnected", None
-                return
-        if item is not None:
-            yield item
 
 
 def _sse(obj: dict) -> str:
@@ -300,22 +387,3 @@ def _worker_error(exc: BaseException) -> APIError:
     if isinstance(exc, SpeculumError):
         return APIError(str(exc), 400)
     return APIError(f"generation failed: {type(exc).__name__}: {exc}", 500, "server_error")
-
-
-async def _parse(request: Request, model_cls):
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError("the request body must be a JSON object", code="invalid_json")
-    try:
-        return model_cls.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
-        msg = first["msg"].removeprefix("Value error, ")
-        raise APIError(f"invalid value for {param}: {msg}" if param else msg, param=param,
-                       code="invalid_value") from None
-

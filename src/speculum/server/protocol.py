@@ -1,8 +1,10 @@
 """The OpenAI request shapes the server accepts (pydantic), and OpenAI-shaped errors.
 
-Unknown fields are ignored, as OpenAI does; known fields of the wrong type or out of range are
-400 errors naming the field. Features the server does not implement (``n > 1``, ``logprobs``,
-tools) are refused with a clear 400 rather than silently ignored.
+Unknown fields are ignored, as OpenAI does (``user``, ``metadata``, ``store``, ``service_tier``
+and the like change nothing here); known fields of the wrong type or out of range are 400 errors
+naming the field. Features the server does not implement (``n > 1``, ``best_of > 1``, logprobs,
+penalties, ``logit_bias``, ``suffix``, ``echo``, tools) are refused with a clear 400 rather than
+silently ignored; so is an unknown key inside ``speculum``.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ class APIError(Exception):
     """An error the client caused or should see: rendered as ``{"error": {...}}`` with ``status``."""
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -34,6 +37,9 @@ def refuse_set(field: str, message: str):
         return v
 
     return field_validator(field)(check)
+
+
+MAX_STOP_CHARS = 256
 
 
 class StreamOptions(BaseModel):
@@ -73,13 +79,21 @@ class CommonParams(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)  # not OpenAI's, common in compatible servers
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)  # what torch's generator takes
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: Any = None
     response_format: ResponseFormat | None = None
     speculum: SpeculumOptions | None = None
+    # scopes what drafters learn across requests (vLLM's name): requests share it only with the same
+    # salt (and the same API key); see ServerState
+    cache_salt: str | None = Field(default=None, max_length=256)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    top_logprobs: int | None = None
+    best_of: int | None = None
 
     @field_validator("max_tokens")
     @classmethod
@@ -93,6 +107,15 @@ class CommonParams(BaseModel):
     def _stops(cls, v):
         if isinstance(v, list) and len(v) > 4:
             raise ValueError("at most 4 stop sequences")
+        if any(len(s) > MAX_STOP_CHARS for s in ([v] if isinstance(v, str) else v or [])):
+            raise ValueError(f"a stop sequence is longer than {MAX_STOP_CHARS} characters")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
         return v
 
     @field_validator("n")
@@ -103,6 +126,10 @@ class CommonParams(BaseModel):
         return v
 
     _no_logprobs = refuse_set("logprobs", "logprobs are not supported")
+    _no_top_logprobs = refuse_set("top_logprobs", "logprobs are not supported")
+    _no_presence = refuse_set("presence_penalty", "presence_penalty is not supported (only 0)")
+    _no_frequency = refuse_set("frequency_penalty", "frequency_penalty is not supported (only 0)")
+    _no_bias = refuse_set("logit_bias", "logit_bias is not supported")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -114,8 +141,10 @@ class CompletionRequest(CommonParams):
     prompt: str | list[int]
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
+    suffix: str | None = None
 
     _no_echo = refuse_set("echo", "echo is not supported")
+    _no_suffix = refuse_set("suffix", "suffix (insertion) is not supported")
 
 
 class ChatMessage(BaseModel):
@@ -140,5 +169,9 @@ class ChatCompletionRequest(CommonParams):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
 
     _no_tools = refuse_set("tools", "tools are not supported")
+    _no_tool_choice = refuse_set("tool_choice", "tools are not supported")
+    _no_functions = refuse_set("functions", "functions are not supported")
