@@ -60,15 +60,18 @@ class Engine:
             (:class:`~speculum.tree_sizing.TreeSizer`); ``None`` verifies trees as drafted.
         kv_policy: a :class:`~speculum.kv.KVPolicy` (eviction, quantization or sparse reads), plugged
             into the runner (:class:`~speculum.runners.PolicyRunner`). None keeps the whole cache (exact).
+        chains_only: verify only each tree's best root path (:meth:`~speculum.tree.DraftTree.best_chain`):
+            with a ``fixed_rows`` native runner, bfloat16 output then does not depend on what was drafted.
     """
 
     def __init__(self, runner, drafter: Drafter, tokenizer=None, eos_token_ids: Sequence[int] | None = None,
                  max_tree: int = 64, verifier_cls: type[Verifier] = Verifier, sizer: TreeSizer | None = None,
-                 kv_policy=None):
+                 kv_policy=None, chains_only: bool = False):
         runner = runner_for(runner) if isinstance(runner, torch.nn.Module) else runner
         self.runner = PolicyRunner(runner, kv_policy) if kv_policy is not None else runner
         self.drafter, self.tokenizer = drafter, tokenizer
         self.max_tree, self.verifier_cls, self.sizer = max_tree, verifier_cls, sizer
+        self.chains_only = chains_only
         if eos_token_ids is None:
             eos_token_ids = default_eos_ids(self.runner, tokenizer)
         self.eos_ids = set(eos_token_ids)
@@ -117,6 +120,8 @@ class Engine:
             tree = guide.shape(tree, room)
             if sized:  # size
                 tree = self.sizer.select(tree, cache.length)
+            if self.chains_only:
+                tree = tree.best_chain()
             tree = guide.bind(tree)
             t_b = time.perf_counter()
             logits = guide.mask(runner.forward(cache, tokens[-1], tree).logits)  # verify

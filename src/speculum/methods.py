@@ -196,12 +196,16 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
     entry = DRAFTERS[name]
     max_tree = options.pop("max_tree", entry.max_tree)
     sized = options.pop("sized", entry.scored)
+    chains_only = options.pop("chains_only", False)
     runner = runner or runner_for(model)
+    if getattr(runner, "fixed_rows", None) is not None:
+        sized = False  # every step costs the same up to fixed_rows: nothing to size (and no calibration)
     if entry.needs_draft_model:
         options["draft_model"] = draft_model
     drafter = entry.factory(**options)
     sizer = TreeSizer(cost_model or _calibrated(runner)) if sized else None
-    return EngineMethod(name, Engine(runner, drafter, tokenizer, max_tree=max_tree, sizer=sizer, kv_policy=kv_policy))
+    return EngineMethod(name, Engine(runner, drafter, tokenizer, max_tree=max_tree, sizer=sizer, kv_policy=kv_policy,
+                                     chains_only=chains_only))
 
 
 def _calibrated(runner):

@@ -215,7 +215,8 @@ def _dequantized_dir(gguf: Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     _write_dir(out, model, tokenizer)
-    shutil.rmtree(meta, ignore_errors=True)  # the full directory holds the same files
+    # The metadata folder stays (a few MB): another process may be reading it right now, and
+    # removing it made that process's load fail (two test workers loading Gemma-3 at once).
     return out
 
 

@@ -111,6 +111,23 @@ class DraftTree:
         tags = None if self.tags is None else [self.tags[i] for i in keep]
         return DraftTree([self.tokens[i] for i in keep], parents, probs, scores, tags)
 
+    def best_chain(self) -> DraftTree:
+        """The tree cut to one root path: the path with the largest sum of ``scores`` (the expected
+        number of accepted tokens along it), or, without scores, the first child at every level."""
+        if self.is_chain:
+            return self
+        if self.scores is not None:
+            gain: list[float] = []
+            for i, p in enumerate(self.parents):
+                gain.append(self.scores[i] + (gain[p] if p >= 0 else 0.0))
+            leaf = max(range(len(self)), key=gain.__getitem__)
+        else:
+            kids, leaf, row = self.children(), -1, 0
+            while kids[row]:
+                leaf = kids[row][0]
+                row = leaf + 1
+        return self.subtree(self.path_to(leaf))
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to ``node`` (inclusive)."""
         path = []

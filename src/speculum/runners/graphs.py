@@ -47,11 +47,14 @@ def bucket(value: int, buckets) -> int | None:
 class GraphedSteps:
     """Lazily captured CUDA graphs over one static KV buffer ``kv [layers, 2, H_kv, C, d]``."""
 
-    def __init__(self, decoder: NativeDecoder, kv: torch.Tensor, capture: bool = True, compile: bool = False):
+    def __init__(self, decoder: NativeDecoder, kv: torch.Tensor, capture: bool = True, compile: bool = False,
+                 token_buckets: tuple[int, ...] = TOKEN_BUCKETS):
         """``capture=False`` runs the same padded fixed-shape steps without graphs (any device; tests).
         ``compile=True`` passes each step through ``torch.compile`` (fused kernels) before capture:
-        experimental, every bucket compiles once."""
+        experimental, every bucket compiles once. ``token_buckets``: the padded token counts ``B``
+        (one bucket: every step has the same row count, see ``NativeRunner(fixed_rows=...)``)."""
         self.decoder, self.kv, self.capture = decoder, kv, capture
+        self.token_buckets = tuple(token_buckets)
         self.step_fn = torch.compile(self._step, dynamic=False) if compile else self._step
         self.capacity = kv.shape[3]
         self.key_buckets = tuple(b for b in KEY_BUCKETS if b < self.capacity) + (self.capacity,)
@@ -61,7 +64,7 @@ class GraphedSteps:
 
     def shapes_for(self, length: int, n: int) -> tuple[int, int] | None:
         """``(B, K)`` for ``n`` tokens after ``length`` committed ones, or None (run eagerly)."""
-        b = bucket(n, TOKEN_BUCKETS)
+        b = bucket(n, self.token_buckets)
         if b is None or length + b > self.capacity:
             return None
         return b, bucket(length + b, self.key_buckets)

@@ -39,10 +39,17 @@ class NativeRunner(RunnerBase):
             without capturing them (any device: how the graph path is tested on a CPU).
         graph_context: slots of the static buffer the graphs use; longer sequences run eagerly
             (default ``min(max_positions, 4096)``).
+        fixed_rows: run every verification step padded to exactly this many rows (the root and up to
+            ``fixed_rows - 1`` drafted tokens), on any device: the reproducible mode. A row's numbers
+            then do not depend on how many tokens were drafted, so in bfloat16 a chain draft gives
+            bit-for-bit the logits of plain decoding in this mode (measured: BENCHMARKS.md,
+            "Reproducible bfloat16"). Trees with siblings still change the attention's summation
+            order; the engine's ``chains_only`` avoids them. Sequences beyond ``graph_context`` run
+            eagerly and lose the guarantee.
     """
 
     def __init__(self, model: torch.nn.Module, prefill_chunk: int = 256, cuda_graphs: bool | str | None = None,
-                 graph_context: int | None = None):
+                 graph_context: int | None = None, fixed_rows: int | None = None):
         self.config = model.config
         self.generation_config = getattr(model, "generation_config", None)
         self.decoder = NativeDecoder.from_hf(model)
@@ -55,8 +62,18 @@ class NativeRunner(RunnerBase):
         self.max_positions = context_length(self.config)
         self.prefill_chunk = prefill_chunk
         self.variant = "fused" if self.decoder.fused else "exact"  # part of the calibration key
+        self._steps(cuda_graphs, graph_context, fixed_rows)
+
+    def _steps(self, cuda_graphs: bool | str | None, graph_context: int | None, fixed_rows: int | None) -> None:
+        """Set up how verification steps run: eagerly, padded, or as CUDA graphs (see ``__init__``)."""
+        s = self.shape
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and os.environ.get("SPECULUM_CUDA_GRAPHS", "1") != "0"
+        if fixed_rows is not None and fixed_rows < 1:
+            raise ValueError(f"fixed_rows must be >= 1, got {fixed_rows}")
+        if fixed_rows is not None and not cuda_graphs:
+            cuda_graphs = "padded"
+        self.fixed_rows = fixed_rows
         self.graphs = None
         self._owner = None  # weak reference to the cache that holds the graphs' buffer
         if cuda_graphs:
@@ -66,9 +83,19 @@ class NativeRunner(RunnerBase):
             # zeros, not empty: the graphs attend over every slot of a bucket and mask by addition, so an
             # unwritten slot must hold finite numbers (NaN garbage times a zero weight is still NaN)
             buf = torch.zeros((s.layers, 2, s.kv_heads, ctx, s.head_dim), dtype=self.dtype, device=self.device)
+            buckets = {"token_buckets": (fixed_rows,)} if fixed_rows else {}
             self.graphs = GraphedSteps(self.decoder, buf, capture=cuda_graphs != "padded",
-                                       compile=os.environ.get("SPECULUM_COMPILE", "0") == "1")
-            self.variant += f" graphs={cuda_graphs} context={ctx}"
+                                       compile=os.environ.get("SPECULUM_COMPILE", "0") == "1", **buckets)
+            self.variant += f" graphs={cuda_graphs} context={ctx}" + (f" rows={fixed_rows}" if fixed_rows else "")
+
+    def with_fixed_rows(self, rows: int, graph_context: int | None = None) -> NativeRunner:
+        """A runner over these same weights (nothing is copied) whose steps are padded to ``rows``
+        rows: the ``fixed_rows`` mode of ``__init__``, for a model whose runner already exists."""
+        twin = object.__new__(NativeRunner)
+        twin.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("graphs", "_owner")})
+        twin.variant = "fused" if self.decoder.fused else "exact"
+        twin._steps(None if self.graphs is None else self.graphs.capture or "padded", graph_context, rows)
+        return twin
 
     def new_cache(self, capacity: int = 1024) -> StaticKVCache:
         s = self.shape

@@ -33,7 +33,7 @@ from ..engine import default_eos_ids
 from ..errors import SpeculumError
 from ..methods import ENGINE_METHODS, build_method
 from ..prompts import encode_messages
-from ..runners import runner_for
+from ..runners import NativeRunner, runner_for
 from ..sampling import SamplingParams
 from ..text_stream import StreamingText
 from .guard import Guard, GuardSettings
@@ -56,11 +56,16 @@ class ServerState:
     :class:`~.guard.Guard`) together with its ``cache_salt``; requests with neither share the
     anonymous tenant. ``share_drafter_state=True`` puts every request in one tenant. The
     ``max_tenants`` most recently active tenants keep their state; older ones start afresh.
+
+    **Reproducible mode.** ``deterministic_rows=R`` pads every verification step to ``R`` rows and
+    verifies chain drafts only (:meth:`~speculum.runners.native.NativeRunner.with_fixed_rows`,
+    ``Engine(chains_only=True)``), so that a temperature-0 request gives the same output each time
+    in bfloat16 too, whatever the drafters learnt in between (float32 needs no such mode).
     """
 
     def __init__(self, model, tokenizer, model_name: str, method: str = "auto", max_queue: int = 16,
                  max_tree: int = 64, limits: RequestLimits | None = None, share_drafter_state: bool = False,
-                 max_tenants: int = 64):
+                 max_tenants: int = 64, deterministic_rows: int | None = None):
         if method not in SERVABLE_METHODS:
             raise SpeculumError(f"unknown method {method!r}; choose from {', '.join(SERVABLE_METHODS)}")
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
@@ -68,6 +73,12 @@ class ServerState:
         self.limits = limits or RequestLimits()
         self.share_drafter_state, self.max_tenants = share_drafter_state, max_tenants
         self.runner = runner_for(model)
+        self.chains_only = deterministic_rows is not None
+        if self.chains_only:
+            if not isinstance(self.runner, NativeRunner):
+                raise SpeculumError("the reproducible mode (--deterministic) needs the native runner")
+            self.runner = self.runner.with_fixed_rows(deterministic_rows)
+            self.max_tree = min(max_tree, deterministic_rows - 1)
         self.context = self.runner.max_positions
         self.eos_ids = default_eos_ids(model, tokenizer)
         self.tenants: OrderedDict[str, dict[str, object]] = OrderedDict()
@@ -98,7 +109,7 @@ class ServerState:
             self.tenants.move_to_end(tenant)
         if name not in methods:
             methods[name] = build_method(name, self.model, self.tokenizer, runner=self.runner,
-                                         max_tree=self.max_tree)
+                                         max_tree=self.max_tree, chains_only=self.chains_only)
         return methods[name]
 
     def close(self) -> None:
