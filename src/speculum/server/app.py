@@ -90,6 +90,9 @@ class ServerState:
         except SpeculumError:
             pass  # no end-of-sequence token or an unusable tokenizer: constrained requests say so
         self.prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculum-prep")
+        # grammars compile on their own threads: a compilation past its timeout cannot be stopped,
+        # and must not hold up the parsing and tokenizing of other requests meanwhile
+        self.compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculum-compile")
         self.worker = Worker(self.get_method, self.metrics, max_queue)
         self.created = int(time.time())
 
@@ -115,10 +118,11 @@ class ServerState:
     def close(self) -> None:
         self.worker.close()
         self.prep.shutdown(wait=False, cancel_futures=True)
+        self.compile_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def off_loop(self, fn, *args, timeout: float | None = None):
-        """``fn(*args)`` on the preparation threads; the event loop keeps serving meanwhile."""
-        future = asyncio.get_running_loop().run_in_executor(self.prep, functools.partial(fn, *args))
+    async def off_loop(self, fn, *args, timeout: float | None = None, pool: ThreadPoolExecutor | None = None):
+        """``fn(*args)`` on the preparation threads (or ``pool``); the event loop keeps serving meanwhile."""
+        future = asyncio.get_running_loop().run_in_executor(pool or self.prep, functools.partial(fn, *args))
         return await (asyncio.wait_for(future, timeout) if timeout else future)
 
 
@@ -268,7 +272,8 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
         check_constraint_size(req, state.limits)
         try:
             sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
-            grammar = await state.off_loop(_grammar, req, timeout=state.limits.compile_timeout_s)
+            grammar = await state.off_loop(_grammar, req, timeout=state.limits.compile_timeout_s,
+                                           pool=state.compile_pool)
         except SpeculumError as e:
             raise APIError(str(e), param="response_format") from None
         except TimeoutError:
