@@ -68,17 +68,33 @@ class Stops:
         return self._stop_in(generated, new_from) or (len(generated), None)
 
     def _stop_in(self, generated: list[int], new_from: int) -> tuple[int, str] | None:
-        if not self.stop:
+        if not self.stop or not self._tail_has_stop(generated, new_from):
             return None
-        text = self.text(generated)
-        if not any(s in text for s in self.stop):
-            return None
-        # the shortest prefix whose text contains a stop string (it ends inside the new tokens)
+        # found: the shortest prefix whose text contains a stop string (it ends inside the new tokens)
         for k in range(max(new_from, 1), len(generated) + 1):
             t = self.text(generated[:k])
             if any(s in t for s in self.stop):
                 return k, "stop"
         return None
+
+    def _tail_has_stop(self, generated: list[int], new_from: int) -> bool:
+        """Whether a stop string ends inside ``generated[new_from:]``'s text, decoding only a tail.
+
+        Decoding the whole output at every step would cost O(n) a step, O(n^2) a request. A stop
+        string that ends in the new tokens starts at most ``len(stop)`` characters before them, so
+        the tail decoded holds at least that many characters of older text (plus a margin, as a
+        slice's first characters can decode differently: a leading space, a split UTF-8 character);
+        the window of older tokens doubles until it does, or reaches the start. A hit is then
+        confirmed on full decodes by the caller, so the tail can only save work, never invent a stop.
+        """
+        need = max(len(s) for s in self.stop) + 4
+        window = 2 * need
+        while True:
+            start = max(0, new_from - window)
+            if start == 0 or len(self.text(generated[start:new_from])) >= need:
+                tail = self.text(generated[start:])
+                return any(s in tail for s in self.stop)
+            window *= 2
 
     def final_text(self, generated: list[int], reason: str) -> str:
         text = self.text(generated)
