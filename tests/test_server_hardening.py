@@ -316,8 +316,8 @@ def test_health_latency_is_low_at_rest(server):
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["temperature0", "seeded"])
 def test_repeats_give_one_output_whatever_the_drafter_learnt(server, sampled):
-    """10 repeats through ``auto`` (float32, the ``auto`` dtype on this CPU), other requests in
-    between that change what the suffix cache and the bandit hold: one output, and ``ar``'s."""
+    """10 repeats through ``auto`` in float32, other requests in between that change what the suffix
+    cache and the bandit hold: one output, and ``ar``'s (bfloat16 needs ``--deterministic``: below)."""
     params = {"temperature": 0.8, "top_p": 0.95, "seed": 1234} if sampled else {"temperature": 0}
     body = {**CHAT, **params, "max_tokens": 48,
             "messages": [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]}
@@ -333,7 +333,7 @@ def test_repeats_give_one_output_whatever_the_drafter_learnt(server, sampled):
 
 @pytest.fixture(scope="module")
 def bf16_server():
-    """``speculum serve --dtype bfloat16 --deterministic`` (bfloat16 is emulated on this CPU: slow)."""
+    """``speculum serve --dtype bfloat16 --deterministic``."""
     import speculum
 
     model, tok = speculum.load("default", dtype="bfloat16")
