@@ -7,12 +7,12 @@ Spec-Bench development prompt per category, 96 new tokens).
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from pathlib import Path
 
 import speculum
+from speculum.bench.data import load_prompts
 from speculum.methods import build_method
 from speculum.prompts import encode_prompt
 from speculum.runners import runner_for
@@ -25,9 +25,8 @@ def main(dtype: str = "bfloat16", rows: int = 16, new_tokens: int = 96) -> None:
     base = runner_for(model)
     fixed = base.with_fixed_rows(rows)
     first_of_category: dict[str, str] = {}
-    for line in SPEC_BENCH.open():
-        q = json.loads(line)
-        first_of_category.setdefault(q["category"], q["turns"][0])
+    for q in load_prompts(SPEC_BENCH):
+        first_of_category.setdefault(q.category, q.text)
     prompts = [encode_prompt(tok, t, None) for t in list(first_of_category.values())[:6]]
     chains = {"max_tree": rows - 1, "chains_only": True}
     methods = {"auto default": build_method("auto", model, tok, runner=base),

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 from pathlib import Path
 
 import torch
 
 import speculum
+from speculum.bench.data import load_prompts
 from speculum.methods import build_method
 from speculum.prompts import encode_prompt
 from speculum.runners import runner_for
@@ -43,8 +43,7 @@ def main() -> None:
     fixed = args.mode == "fixed"
     if fixed:
         runner = runner.with_fixed_rows(args.rows)
-    questions = [json.loads(line)["turns"][0] for line in args.data.open()]
-    ids = [encode_prompt(tok, q, None) for q in questions]
+    ids = [encode_prompt(tok, q.text, None) for q in load_prompts(args.data)]
     for p, target in enumerate(ids[:args.prompts]):
         outputs: dict[str, collections.Counter] = {}
         for name in args.methods.split(","):

@@ -17,7 +17,7 @@ from .methods import ENGINE_METHODS, HF_METHODS, METHODS
 
 DEFAULT_BENCH_METHODS = "hf,hf_pld,ar,ngram,suffix,auto"
 DEFAULT_STRUCTURED_METHODS = "hf,ar,ngram,auto"
-DETERMINISTIC_ROWS = 16  # serve --deterministic: a 16-row forward costs ~1.4x a 1-row one on a 2-core CPU
+DETERMINISTIC_ROWS = 16  # serve --deterministic: ~2x a 1-row forward here (BENCHMARKS.md, "Reproducible bfloat16")
 
 
 def _add_runner_arg(p: argparse.ArgumentParser) -> None:
@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests allowed to wait behind the running one; more get HTTP 429 (default: %(default)s)")
     s.add_argument("--max-tree", type=int, default=64, help="most drafted tokens per step (default: %(default)s)")
     s.add_argument("--deterministic", action="store_true",
-                   help="reproducible temperature-0 output in bfloat16 too: every step padded to 16 rows and "
+                   help=f"reproducible temperature-0 output in bfloat16 too: every step padded to {DETERMINISTIC_ROWS} rows and "
                         "chain drafts only (slower; float32, the auto dtype on CPUs without bfloat16 "
                         "instructions, is reproducible without it)")
     _add_runner_arg(s)
@@ -421,7 +421,7 @@ def cmd_serve(args) -> int:
     from .runners import release_if_native, use_runner
     from .server import ServerState, create_app
     from .server.app import SERVABLE_METHODS
-    from .server.guard import GuardSettings
+    from .server.guard import LOOPBACK_NAMES, GuardSettings
     from .server.limits import RequestLimits
 
     if args.method not in SERVABLE_METHODS:
@@ -452,7 +452,7 @@ def cmd_serve(args) -> int:
                         deterministic_rows=DETERMINISTIC_ROWS if args.deterministic else None)
     if not args.no_access_log:
         logging.getLogger("speculum.access").setLevel(logging.INFO)
-    if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if not keys and args.host not in LOOPBACK_NAMES:
         print(f"speculum: warning: listening on {args.host} without an API key: anyone who can reach this "
               f"port can use the model (--api-key)", file=sys.stderr)
     print(f"speculum: serving {state.model_name!r} ({args.method}) on http://{args.host}:{args.port}/v1",

@@ -11,12 +11,12 @@
 
 from .guide import UNGUIDED, Guide, guide_for
 from .matcher import (
-           Grammar,
-           TokenMatcher,
-           compile_constraint,
-           ll_tokenizer,
-           mask_logits,
-           restrict_draft_probs,
+    Grammar,
+    TokenMatcher,
+    compile_constraint,
+    ll_tokenizer,
+    mask_logits,
+    restrict_draft_probs,
 )
 from .spec import KINDS, ConstraintSpec, pick_constraint
 

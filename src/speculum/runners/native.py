@@ -61,12 +61,13 @@ class NativeRunner(RunnerBase):
         self.vocab_size = s.vocab
         self.max_positions = context_length(self.config)
         self.prefill_chunk = prefill_chunk
-        self.variant = "fused" if self.decoder.fused else "exact"  # part of the calibration key
         self._steps(cuda_graphs, graph_context, fixed_rows)
 
     def _steps(self, cuda_graphs: bool | str | None, graph_context: int | None, fixed_rows: int | None) -> None:
-        """Set up how verification steps run: eagerly, padded, or as CUDA graphs (see ``__init__``)."""
+        """Set up how verification steps run: eagerly, padded, or as CUDA graphs (see ``__init__``),
+        and the ``variant`` string that names it in the calibration key."""
         s = self.shape
+        self.variant = "fused" if self.decoder.fused else "exact"
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and os.environ.get("SPECULUM_CUDA_GRAPHS", "1") != "0"
         if fixed_rows is not None and fixed_rows < 1:
@@ -92,8 +93,7 @@ class NativeRunner(RunnerBase):
         """A runner over these same weights (nothing is copied) whose steps are padded to ``rows``
         rows: the ``fixed_rows`` mode of ``__init__``, for a model whose runner already exists."""
         twin = object.__new__(NativeRunner)
-        twin.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("graphs", "_owner")})
-        twin.variant = "fused" if self.decoder.fused else "exact"
+        twin.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("graphs", "_owner", "variant")})
         twin._steps(None if self.graphs is None else self.graphs.capture or "padded", graph_context, rows)
         return twin
 

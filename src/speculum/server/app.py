@@ -250,15 +250,14 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
         if req.model not in (None, "", state.model_name, "default"):
             raise APIError(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}",
                            404, code="model_not_found", param="model")
+        prompt_param = "messages" if hasattr(req, "messages") else "prompt"
         cap = state.limits.max_prompt_tokens
         if cap is not None and len(ids) > cap:
             raise APIError(f"the prompt has {len(ids)} tokens; this server takes at most {cap} "
-                           "(--max-prompt-tokens)", param="messages" if hasattr(req, "messages") else "prompt",
-                           code="prompt_too_long")
+                           "(--max-prompt-tokens)", param=prompt_param, code="prompt_too_long")
         if len(ids) >= state.context:
             raise APIError(f"this model's maximum context length is {state.context} tokens, but the prompt has "
-                           f"{len(ids)} tokens", param="messages" if hasattr(req, "messages") else "prompt",
-                           code="context_length_exceeded")
+                           f"{len(ids)} tokens", param=prompt_param, code="context_length_exceeded")
         max_tokens = req.max_tokens if req.max_tokens is not None else state.context - len(ids)
         if len(ids) + max_tokens > state.context:
             raise APIError(f"this model's maximum context length is {state.context} tokens; the prompt has "
