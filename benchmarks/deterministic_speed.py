@@ -1,14 +1,14 @@
-"""What ``serve --deterministic`` costs: tok/s of ``auto`` and ``ar`` on the default runner and on
-the fixed-row runner with chain drafts, interleaved prompt by prompt after a warm-up (one
-Spec-Bench development prompt per category, 96 new tokens).
+"""What the reproducible mode costs: tok/s of ``auto`` and ``ar`` on the default runner, on the
+invariant runner with chain drafts (``serve --deterministic``, ``NativeRunner.invariant``) and on the
+older fixed-row runner (every step padded to 16 rows, chain drafts), interleaved prompt by prompt
+after a warm-up (one Spec-Bench development prompt per category, 96 new tokens).
 
-    python benchmarks/deterministic_speed.py bfloat16
+    python benchmarks/deterministic_speed.py --dtype bfloat16
 """
 
 from __future__ import annotations
 
-import statistics
-import sys
+import argparse
 from pathlib import Path
 
 import speculum
@@ -20,28 +20,42 @@ from speculum.runners import runner_for
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question_dev.jsonl"
 
 
-def main(dtype: str = "bfloat16", rows: int = 16, new_tokens: int = 96) -> None:
-    model, tok = speculum.load("default", dtype=dtype)
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rows", type=int, default=16, help="the fixed-row runner's row count")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--rounds", type=int, default=1, help="passes over the six prompts")
+    ap.add_argument("--methods", default="auto,ar")
+    args = ap.parse_args()
+    model, tok = speculum.load("default", dtype=args.dtype)
     base = runner_for(model)
-    fixed = base.with_fixed_rows(rows)
+    runners = {"default": (base, {}), "invariant": (base.invariant(), {"chains_only": True}),
+               "fixed": (base.with_fixed_rows(args.rows), {"max_tree": args.rows - 1, "chains_only": True})}
     first_of_category: dict[str, str] = {}
     for q in load_prompts(SPEC_BENCH):
         first_of_category.setdefault(q.category, q.text)
     prompts = [encode_prompt(tok, t, None) for t in list(first_of_category.values())[:6]]
-    chains = {"max_tree": rows - 1, "chains_only": True}
-    methods = {"auto default": build_method("auto", model, tok, runner=base),
-               "auto fixed": build_method("auto", model, tok, runner=fixed, **chains),
-               "ar default": build_method("ar", model, tok, runner=base),
-               "ar fixed": build_method("ar", model, tok, runner=fixed, **chains)}
+    methods = {f"{name} {mode}": build_method(name, model, tok, runner=runner, **opts)
+               for name in args.methods.split(",") for mode, (runner, opts) in runners.items()}
     for m in methods.values():  # warm-up
         m.run(prompts[0], 16)
+    tokens = {k: 0 for k in methods}
+    seconds = {k: 0.0 for k in methods}
     rates: dict[str, list[float]] = {k: [] for k in methods}
-    for p in prompts:  # interleaved: every method on a prompt before the next prompt
-        for k, m in methods.items():
-            rates[k].append(m.run(p, new_tokens).tok_s)
-    for k, v in rates.items():
-        print(f"{dtype} {k:13s} mean tok/s {statistics.mean(v):6.1f}  per prompt {[round(x, 1) for x in v]}")
+    for _ in range(args.rounds):
+        for p in prompts:  # interleaved: every method on a prompt before the next prompt
+            for k, m in methods.items():
+                r = m.run(p, args.new_tokens)
+                tokens[k] += len(r.tokens)
+                seconds[k] += r.time_s
+                rates[k].append(r.tok_s)
+    for k in methods:
+        base_k = k.split()[0] + " default"
+        print(f"{args.dtype} {k:16s} {tokens[k] / seconds[k]:6.1f} tok/s (all tokens / all time), "
+              f"{tokens[k] / seconds[k] / (tokens[base_k] / seconds[base_k]):.2f}x default; "
+              f"per prompt {[round(x) for x in rates[k]]}")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    main()

@@ -29,7 +29,7 @@ SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_ben
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--mode", choices=["default", "fixed"], default="fixed")
+    ap.add_argument("--mode", choices=["default", "fixed", "invariant"], default="invariant")
     ap.add_argument("--rows", type=int, default=16, help="--mode fixed: the padded row count")
     ap.add_argument("--methods", default="ar,auto,suffix,recycling")
     ap.add_argument("--prompts", type=int, default=2)
@@ -40,14 +40,18 @@ def main() -> None:
     torch.manual_seed(0)
     model, tok = speculum.load("default", dtype=args.dtype)
     runner = runner_for(model)
-    fixed = args.mode == "fixed"
-    if fixed:
+    fixed = args.mode != "default"
+    if args.mode == "fixed":
         runner = runner.with_fixed_rows(args.rows)
+    elif args.mode == "invariant":
+        runner = runner.invariant()
     ids = [encode_prompt(tok, q.text, None) for q in load_prompts(args.data)]
     for p, target in enumerate(ids[:args.prompts]):
         outputs: dict[str, collections.Counter] = {}
         for name in args.methods.split(","):
-            opts = {"max_tree": args.rows - 1, "chains_only": True} if fixed else {}
+            opts = {"chains_only": True} if fixed else {}
+            if args.mode == "fixed":
+                opts["max_tree"] = args.rows - 1
             method = build_method(name, model, tok, runner=runner, **opts)
             seen: collections.Counter = collections.Counter()
             for rep in range(args.repeats if name != "ar" else 1):

@@ -16,6 +16,7 @@ import openai
 import pytest
 from conftest import serve_in_thread
 
+from speculum.runners import NativeRunner
 from speculum.server import ServerState, create_app
 from speculum.server.guard import GuardSettings
 from speculum.server.limits import RequestLimits, json_depth
@@ -317,7 +318,8 @@ def test_health_latency_is_low_at_rest(server):
 @pytest.mark.parametrize("sampled", [False, True], ids=["temperature0", "seeded"])
 def test_repeats_give_one_output_whatever_the_drafter_learnt(server, sampled):
     """10 repeats through ``auto`` in float32, other requests in between that change what the suffix
-    cache and the bandit hold: one output, and ``ar``'s (bfloat16 needs ``--deterministic``: below)."""
+    cache and the bandit hold: one output, and ``ar``'s (whole trees verified if this machine's float32
+    kernels have no row floors; bfloat16: below)."""
     params = {"temperature": 0.8, "top_p": 0.95, "seed": 1234} if sampled else {"temperature": 0}
     body = {**CHAT, **params, "max_tokens": 48,
             "messages": [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]}
@@ -333,11 +335,14 @@ def test_repeats_give_one_output_whatever_the_drafter_learnt(server, sampled):
 
 @pytest.fixture(scope="module")
 def bf16_server():
-    """``speculum serve --dtype bfloat16 --deterministic``."""
+    """``speculum serve --dtype bfloat16`` (the reproducible mode is on by default, or forced with
+    every step padded where this machine's kernels have no row floors)."""
     import speculum
 
     model, tok = speculum.load("default", dtype="bfloat16")
-    state = ServerState(model, tok, "smollm2", method="auto", deterministic_rows=16)
+    state = ServerState(model, tok, "smollm2", method="auto",
+                        deterministic=None if NativeRunner(model).invariant().floors is not None else True)
+    assert state.deterministic and state.chains_only
     srv, thread, port = serve_in_thread(create_app(state))
     yield f"http://127.0.0.1:{port}"
     srv.should_exit = True
@@ -345,9 +350,12 @@ def bf16_server():
     state.close()
 
 
-def test_deterministic_mode_repeats_temperature0_in_bfloat16(bf16_server):
-    """10 repeats through ``auto`` in bfloat16 with other requests in between: one output, ``ar``'s."""
-    body = {**CHAT, "max_tokens": 32,  # short: on a CPU without bfloat16 instructions bf16 is emulated, slowly
+@pytest.mark.parametrize("sampled", [False, True], ids=["temperature0", "seeded"])
+def test_bfloat16_repeats_by_default(bf16_server, sampled):
+    """10 repeats through ``auto`` in bfloat16 with other requests in between (which change what the
+    suffix cache, the recycling table and the bandit hold, and so the drafts): one output, ``ar``'s."""
+    params = {"temperature": 0.8, "top_p": 0.95, "seed": 77} if sampled else {"temperature": 0}
+    body = {**CHAT, **params, "max_tokens": 48,
             "messages": [{"role": "user", "content": "Explain how a lighthouse works, in three sentences."}]}
     post = lambda b: httpx.post(bf16_server + "/v1/chat/completions", json=b, timeout=600).json()
     texts = set()

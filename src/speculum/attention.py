@@ -237,12 +237,13 @@ def folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-              softcap: float | None = None) -> torch.Tensor:
+              softcap: float | None = None, explicit: bool = False) -> torch.Tensor:
     """Grouped-query attention of ``q [n, H, d]`` over ``k, v [H_kv, L, d]`` -> ``[n, H*d]``, with the
     folded additive ``mask [g*n, L]`` or ``[H_kv, g*n, L]`` (or None), without repeating KV heads;
-    :func:`use_math_attention` picks the kernel."""
+    :func:`use_math_attention` picks the kernel, unless ``explicit`` asks for the math path whatever
+    the row count (the reproducible mode: its rows are computed alike for any number of rows)."""
     qg = fold_queries(q, k.shape[0])
-    math = use_math_attention(qg.shape[1], q.device)
+    math = explicit or use_math_attention(qg.shape[1], q.device)
     return unfold_rows(folded_attention(qg[None], k[None], v[None], mask, scale, math, softcap)[0], q.shape[0])
 
 

@@ -17,7 +17,6 @@ from .methods import ENGINE_METHODS, HF_METHODS, METHODS
 
 DEFAULT_BENCH_METHODS = "hf,hf_pld,ar,ngram,suffix,auto"
 DEFAULT_STRUCTURED_METHODS = "hf,ar,ngram,auto"
-DETERMINISTIC_ROWS = 16  # serve --deterministic: ~2x a 1-row forward here (BENCHMARKS.md, "Reproducible bfloat16")
 
 
 def _add_runner_arg(p: argparse.ArgumentParser) -> None:
@@ -195,10 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=16,
                    help="requests allowed to wait behind the running one; more get HTTP 429 (default: %(default)s)")
     s.add_argument("--max-tree", type=int, default=64, help="most drafted tokens per step (default: %(default)s)")
-    s.add_argument("--deterministic", action="store_true",
-                   help=f"reproducible temperature-0 output in bfloat16 too: every step padded to {DETERMINISTIC_ROWS} rows and "
-                        "chain drafts only (slower; float32, the auto dtype on CPUs without bfloat16 "
-                        "instructions, is reproducible without it)")
+    s.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="reproducible output: the same temperature-0 or seeded request gives the same text every "
+                        "time, in bfloat16 too, whatever the drafters learnt from other requests (verification "
+                        "kernels whose rows do not depend on the draft's length, and chain drafts only). Default: "
+                        "on where this costs little (the native runner, with kernels that have row floors, as "
+                        "oneDNN's bfloat16 ones), else off; --deterministic forces it (padding every step where "
+                        "the kernels need it: slow), --no-deterministic verifies whole draft trees")
     _add_runner_arg(s)
     s.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: the --model argument)")
@@ -449,13 +451,17 @@ def cmd_serve(args) -> int:
     release_if_native(model)  # the server runs only engine methods
     state = ServerState(model, tok, args.served_model_name or args.model, args.method, args.max_queue,
                         args.max_tree, limits, args.share_drafter_state,
-                        deterministic_rows=DETERMINISTIC_ROWS if args.deterministic else None)
+                        deterministic=args.deterministic)
     if not args.no_access_log:
         logging.getLogger("speculum.access").setLevel(logging.INFO)
     if not keys and args.host not in LOOPBACK_NAMES:
         print(f"speculum: warning: listening on {args.host} without an API key: anyone who can reach this "
               f"port can use the model (--api-key)", file=sys.stderr)
-    print(f"speculum: serving {state.model_name!r} ({args.method}) on http://{args.host}:{args.port}/v1",
+    if args.deterministic is None and not state.deterministic:
+        print("speculum: note: the reproducible mode is off (it would pad every step with this runner, dtype and "
+              "machine: --deterministic forces it); repeated requests verify whole trees", file=sys.stderr)
+    mode = "reproducible" if state.deterministic else "whole trees"
+    print(f"speculum: serving {state.model_name!r} ({args.method}, {mode}) on http://{args.host}:{args.port}/v1",
           file=sys.stderr)
     uvicorn.run(create_app(state, guard, split(args.allowed_origins)), host=args.host, port=args.port,
                 log_level="warning")

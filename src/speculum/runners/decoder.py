@@ -32,6 +32,7 @@ from transformers.activations import ACT2FN
 
 from ..attention import AttentionLayout, Rotary, attention, rotate, rotate_fused
 from .base import Forward, layer_types
+from .invariance import NO_FLOORS, RowFloors
 from .packed import packed_linear
 
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
@@ -91,11 +92,18 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias  # [out, in], [out]
+        self.in_features = weight.shape[1]
         self.packed = packed_linear(weight, bias)
         if self.packed is not None:
             self.weight = None  # the packed copy replaces it (frees the fused QKV / gate-up copies)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+        """``x [n, in]`` -> ``[n, out]``, computed over at least ``min_rows`` rows (the first row
+        repeated as padding, then dropped): the reproducible mode's row floor
+        (:mod:`speculum.runners.invariance`)."""
+        n = x.shape[0]
+        if n < min_rows:
+            return self(torch.cat([x, x[:1].expand(min_rows - n, -1)]))[:n]
         if self.packed is not None:
             return self.packed(x)
         return F.linear(x, self.weight, self.bias)
@@ -237,7 +245,7 @@ class NativeDecoder:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, write: int | torch.Tensor,
                 keys: int, masks: dict[bool, torch.Tensor | None], last_only: bool = False,
-                hidden_layers: Sequence[int] = ()) -> Forward:
+                hidden_layers: Sequence[int] = (), floors: RowFloors | None = None) -> Forward:
         """Logits for ``n`` new tokens; their keys and values are written into ``kv``.
 
         Args:
@@ -254,6 +262,8 @@ class NativeDecoder:
                 :func:`~speculum.attention.grouped`).
             last_only: return only the last row's logits (prefill).
             hidden_layers: hidden states to return (see :meth:`forward_with`).
+            floors: the reproducible mode (:mod:`speculum.runners.invariance`): each matrix product over
+                at least its floor's rows, attention by the explicit path whatever the row count.
         Returns :class:`~speculum.runners.base.Forward`: ``[n, V]`` logits (``[1, V]`` with ``last_only``).
         """
         n = ids.shape[0]
@@ -271,12 +281,12 @@ class NativeDecoder:
             else:
                 kv[i, 0].index_copy_(1, write, k.transpose(0, 1))
                 kv[i, 1].index_copy_(1, write, v.transpose(0, 1))
-            return self.attend(q, kv[i, 0, :, :keys], kv[i, 1, :, :keys], masks[layer.sliding])
+            return self.attend(q, kv[i, 0, :, :keys], kv[i, 1, :, :keys], masks[layer.sliding], floors is not None)
 
-        return self.forward_with(ids, positions, attend, last_only, hidden_layers)
+        return self.forward_with(ids, positions, attend, last_only, hidden_layers, floors or NO_FLOORS)
 
     def forward_with(self, ids: torch.Tensor, positions: torch.Tensor, attend, last_only: bool = False,
-                     hidden_layers: Sequence[int] = ()) -> Forward:
+                     hidden_layers: Sequence[int] = (), floors: RowFloors = NO_FLOORS) -> Forward:
         """:meth:`forward` with the cache left to ``attend(i, layer, q [n, H, d], k, v [n, H_kv, d])
         -> [n, H*d]``, which stores layer ``i``'s new keys and values where it keeps them and returns
         the attention output (how KV policies run the model: :mod:`speculum.runners.policy`).
@@ -291,14 +301,14 @@ class NativeDecoder:
         rope = self.rope(positions)
         last = len(self.layers)
         for i, layer in enumerate(self.layers):
-            h = self.layer_forward(i, layer, h, rope, attend)
+            h = self.layer_forward(i, layer, h, rope, attend, floors)
             if i + 1 in hidden_layers and i + 1 < last:
                 hidden[i + 1] = h
         if last in hidden_layers:
             normed = self.final_norm(h)
             hidden[last] = normed
-            return Forward(self.head_logits(normed[-1:] if last_only else normed), hidden)
-        return Forward(self.logits(h[-1:] if last_only else h), hidden)
+            return Forward(self.head_logits(normed[-1:] if last_only else normed, floors.head), hidden)
+        return Forward(self.logits(h[-1:] if last_only else h, floors.head), hidden)
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [n]`` -> hidden states ``[n, D]``."""
@@ -316,13 +326,14 @@ class NativeDecoder:
             rope[kind] = cos, sin
         return rope
 
-    def layer_forward(self, i: int, layer: Layer, h: torch.Tensor, rope: dict, attend) -> torch.Tensor:
-        """One decoder layer on ``h [n, D]``; ``attend`` as in :meth:`forward_with`."""
+    def layer_forward(self, i: int, layer: Layer, h: torch.Tensor, rope: dict, attend,
+                      floors: RowFloors = NO_FLOORS) -> torch.Tensor:
+        """One decoder layer on ``h [n, D]``; ``attend`` and ``floors`` as in :meth:`forward_with`."""
         s = self.shape
         n = h.shape[0]
         cos, sin = rope["sliding_attention" if layer.sliding else "full_attention"]
         x = layer.input_norm(h)
-        qkv = layer.qkv(x).view(n, s.heads + 2 * s.kv_heads, s.head_dim)
+        qkv = layer.qkv(x, floors.qkv).view(n, s.heads + 2 * s.kv_heads, s.head_dim)
         if self.fused:
             q, k, v = self._qkv_fused(layer, qkv, cos, sin)
         else:
@@ -330,24 +341,24 @@ class NativeDecoder:
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        a = layer.o(attend(i, layer, q, k, v))
+        a = layer.o(attend(i, layer, q, k, v), floors.o)
         if layer.pre_mlp_norm is not None:  # Gemma: norms on both sides of each block
             h = h + layer.post_attn_norm(a)
             x = layer.pre_mlp_norm(h)
         else:
             h = h + a
             x = layer.post_attn_norm(h)
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        m = layer.down(self.act(gate) * up)
+        gate, up = layer.gate_up(x, floors.gate_up).chunk(2, dim=-1)
+        m = layer.down(self.act(gate) * up, floors.down)
         return h + (layer.post_mlp_norm(m) if layer.post_mlp_norm is not None else m)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm, head and soft-capping: ``h [n, D]`` -> ``[n, V]``."""
-        return self.head_logits(self.final_norm(h))
+    def logits(self, h: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+        """Final norm, head and soft-capping: ``h [n, D]`` -> ``[n, V]`` (``min_rows``: see :class:`Linear`)."""
+        return self.head_logits(self.final_norm(h), min_rows)
 
-    def head_logits(self, normed: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, normed: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
         """Head and soft-capping of final-norm outputs ``[n, D]`` -> ``[n, V]``."""
-        logits = self.head(normed)
+        logits = self.head(normed, min_rows)
         if self.shape.final_softcap is not None:
             logits = torch.tanh(logits / self.shape.final_softcap) * self.shape.final_softcap
         return logits
@@ -361,7 +372,9 @@ class NativeDecoder:
         qk = rotate_fused(qk, cos, signed_sin)
         return qk[:, : s.heads], qk[:, s.heads:], v
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               explicit: bool = False) -> torch.Tensor:
         """``q [n, H, d]`` over ``k, v [H_kv, L, d]`` -> ``[n, H*d]`` with this model's scale and
-        soft-capping (:func:`speculum.attention.attention`: folded queries, no repeated KV heads)."""
-        return attention(q, k, v, mask, self.shape.attn_scale, self.shape.attn_softcap)
+        soft-capping (:func:`speculum.attention.attention`: folded queries, no repeated KV heads;
+        ``explicit`` forces its explicit path)."""
+        return attention(q, k, v, mask, self.shape.attn_scale, self.shape.attn_softcap, explicit)

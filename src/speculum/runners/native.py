@@ -23,6 +23,7 @@ from ..models import context_length
 from ..tree import DraftTree
 from .base import Forward, RunnerBase
 from .decoder import NativeDecoder
+from .invariance import KEY_FLOOR, RowFloors, measure_floors
 
 DEFAULT_GRAPH_CONTEXT = 4096
 
@@ -75,6 +76,7 @@ class NativeRunner(RunnerBase):
         if fixed_rows is not None and not cuda_graphs:
             cuda_graphs = "padded"
         self.fixed_rows = fixed_rows
+        self.floors: RowFloors | None = None  # the reproducible mode's row floors (see invariant())
         self.graphs = None
         self._owner = None  # weak reference to the cache that holds the graphs' buffer
         if cuda_graphs:
@@ -97,6 +99,30 @@ class NativeRunner(RunnerBase):
         twin._steps(None if self.graphs is None else self.graphs.capture or "padded", graph_context, rows)
         return twin
 
+    def invariant(self, max_rows: int = 65, fallback_rows: int = 16, floors: RowFloors | None = None) -> NativeRunner:
+        """A runner over these same weights (nothing is copied) for the reproducible mode: a token's
+        logits do not depend on how many tokens its step verified, so a temperature-0 request gives
+        the same output whatever was drafted, in bfloat16 too, provided the engine verifies chains
+        (``Engine(chains_only=True)``: tree siblings change the order of the attention's sums).
+
+        Verification steps run eagerly, each matrix product over at least its row floor and the
+        attention by its explicit path over at least ``KEY_FLOOR`` keys
+        (:mod:`speculum.runners.invariance`, which measures the floors here, on these weights). Where
+        some kernel has no floor up to ``max_rows``, every step is padded to ``fallback_rows`` rows
+        instead (:meth:`with_fixed_rows`; then drafts must stay shorter than ``fallback_rows``).
+        Prefill is the same for every request of a prompt and keeps its usual kernels. ``floors``:
+        use these instead of measuring them.
+        """
+        floors = floors or measure_floors(self.decoder, max_rows)
+        if floors is None:
+            return self.with_fixed_rows(fallback_rows)
+        twin = object.__new__(NativeRunner)
+        twin.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("graphs", "_owner", "variant")})
+        twin._steps(False, None, None)
+        twin.floors = floors
+        twin.variant += " invariant"
+        return twin
+
     def new_cache(self, capacity: int = 1024) -> StaticKVCache:
         s = self.shape
         free = self._owner is None or self._owner() is None
@@ -115,13 +141,22 @@ class NativeRunner(RunnerBase):
              hidden_layers: Sequence[int]) -> Forward:
         self._check_owner(cache)
         n = len(ids)
-        cache.reserve(cache.length + n)
+        floors = None if last_only else self.floors
+        if floors is not None and n > floors.up_to:
+            raise RuntimeError(f"a {n}-row step in the reproducible mode, whose floors were probed up to {floors.up_to}")
+        if floors is not None and n < max(floors.step, KEY_FLOOR - cache.length):
+            rows = max(floors.step, KEY_FLOOR - cache.length)
+            ids, step = ids + [ids[0]] * (rows - n), _padded(step, rows)
+        m = len(ids)
+        cache.reserve(cache.length + m)
         s = self.shape
         full, sliding = visibility(cache.length, step.positions, step.new_mask, s.sliding_window)
         masks = {False: grouped(full, s.group, self.dtype), True: grouped(sliding, s.group, self.dtype)}
         out = self.decoder.forward(torch.tensor(ids, device=self.device), step.positions, cache.kv, cache.length,
-                                   cache.length + n, masks, last_only, hidden_layers)
-        cache.pending = n
+                                   cache.length + m, masks, last_only, hidden_layers, floors)
+        cache.pending = m
+        if m > n:  # drop the padding rows
+            out = Forward(out.logits[:n], {i: h[:n] for i, h in out.hidden.items()})
         return out
 
     @torch.inference_mode()
@@ -138,3 +173,12 @@ class NativeRunner(RunnerBase):
                 cache.pending = len(ids)
                 return Forward(logits)
         return super().forward(cache, root, tree, hidden_layers)
+
+
+def _padded(step: Step, rows: int) -> Step:
+    """``step`` with padding rows up to ``rows``: at the first row's position, each seeing only itself
+    (and the cache), unseen by the real rows."""
+    n = step.n
+    mask = torch.eye(rows, dtype=torch.bool, device=step.positions.device)
+    mask[:n, :n] = step.new_mask if step.new_mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+    return Step(torch.cat([step.positions, step.positions[:1].expand(rows - n)]), mask)

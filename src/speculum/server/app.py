@@ -57,15 +57,21 @@ class ServerState:
     anonymous tenant. ``share_drafter_state=True`` puts every request in one tenant. The
     ``max_tenants`` most recently active tenants keep their state; older ones start afresh.
 
-    **Reproducible mode.** ``deterministic_rows=R`` pads every verification step to ``R`` rows and
-    verifies chain drafts only (:meth:`~speculum.runners.native.NativeRunner.with_fixed_rows`,
-    ``Engine(chains_only=True)``), so that a temperature-0 request gives the same output each time
-    in bfloat16 too, whatever the drafters learnt in between (float32 needs no such mode).
+    **Reproducible mode** (``deterministic``): verification runs on
+    :meth:`~speculum.runners.native.NativeRunner.invariant`'s runner, whose logits for a token do
+    not depend on how many tokens a step verified, and trees are cut to their best chain
+    (``Engine(chains_only=True)``). A temperature-0 or seeded request then gives the same output
+    each time, whatever the drafters learnt in between, and the output of ``ar``. None (the
+    default): on where it is cheap, i.e. the native runner runs the model and this machine's kernels
+    have row floors (bfloat16 through oneDNN); elsewhere off, and whole trees are verified (float32
+    output then repeats in practice: its rounding differences hardly ever change a token). True:
+    on, with every step padded to a fixed row count where the kernels have no floors (slow);
+    False: off.
     """
 
     def __init__(self, model, tokenizer, model_name: str, method: str = "auto", max_queue: int = 16,
                  max_tree: int = 64, limits: RequestLimits | None = None, share_drafter_state: bool = False,
-                 max_tenants: int = 64, deterministic_rows: int | None = None):
+                 max_tenants: int = 64, deterministic: bool | None = None):
         if method not in SERVABLE_METHODS:
             raise SpeculumError(f"unknown method {method!r}; choose from {', '.join(SERVABLE_METHODS)}")
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
@@ -73,12 +79,17 @@ class ServerState:
         self.limits = limits or RequestLimits()
         self.share_drafter_state, self.max_tenants = share_drafter_state, max_tenants
         self.runner = runner_for(model)
-        self.chains_only = deterministic_rows is not None
-        if self.chains_only:
-            if not isinstance(self.runner, NativeRunner):
-                raise SpeculumError("the reproducible mode (--deterministic) needs the native runner")
-            self.runner = self.runner.with_fixed_rows(deterministic_rows)
-            self.max_tree = min(max_tree, deterministic_rows - 1)
+        native = isinstance(self.runner, NativeRunner)
+        if deterministic and not native:
+            raise SpeculumError("the reproducible mode (--deterministic) needs the native runner")
+        self.deterministic = False
+        if native and deterministic is not False:
+            invariant = self.runner.invariant(max_tree + 1)
+            if deterministic or invariant.floors is not None:
+                self.runner, self.deterministic = invariant, True
+                if invariant.fixed_rows is not None:  # no row floors here: every step padded
+                    self.max_tree = min(max_tree, invariant.fixed_rows - 1)
+        self.chains_only = self.deterministic
         self.context = self.runner.max_positions
         self.eos_ids = default_eos_ids(model, tokenizer)
         self.tenants: OrderedDict[str, dict[str, object]] = OrderedDict()
