@@ -1,7 +1,8 @@
 """What the reproducible mode costs: tok/s of ``auto`` and ``ar`` on the default runner, on the
 invariant runner with chain drafts (``serve --deterministic``, ``NativeRunner.invariant``) and on the
 older fixed-row runner (every step padded to 16 rows, chain drafts), interleaved prompt by prompt
-after a warm-up (one Spec-Bench development prompt per category, 96 new tokens).
+after a warm-up (one Spec-Bench development prompt per category, 96 new tokens). Each round
+passes over the six prompts again; rates are all tokens over all time, per round.
 
     python benchmarks/deterministic_speed.py --dtype bfloat16
 """
@@ -40,21 +41,20 @@ def main() -> None:
                for name in args.methods.split(",") for mode, (runner, opts) in runners.items()}
     for m in methods.values():  # warm-up
         m.run(prompts[0], 16)
-    tokens = {k: 0 for k in methods}
-    seconds = {k: 0.0 for k in methods}
-    rates: dict[str, list[float]] = {k: [] for k in methods}
-    for _ in range(args.rounds):
+    tokens = {k: [0] * args.rounds for k in methods}  # per round
+    seconds = {k: [0.0] * args.rounds for k in methods}
+    for r in range(args.rounds):  # from round 2 on, the suffix cache and the bandit know the prompts
         for p in prompts:  # interleaved: every method on a prompt before the next prompt
             for k, m in methods.items():
-                r = m.run(p, args.new_tokens)
-                tokens[k] += len(r.tokens)
-                seconds[k] += r.time_s
-                rates[k].append(r.tok_s)
+                out = m.run(p, args.new_tokens)
+                tokens[k][r] += len(out.tokens)
+                seconds[k][r] += out.time_s
     for k in methods:
         base_k = k.split()[0] + " default"
-        print(f"{args.dtype} {k:16s} {tokens[k] / seconds[k]:6.1f} tok/s (all tokens / all time), "
-              f"{tokens[k] / seconds[k] / (tokens[base_k] / seconds[base_k]):.2f}x default; "
-              f"per prompt {[round(x) for x in rates[k]]}")
+        cells = [f"round {r + 1}: {tokens[k][r] / seconds[k][r]:6.1f} tok/s "
+                 f"({tokens[k][r] / seconds[k][r] / (tokens[base_k][r] / seconds[base_k][r]):.2f}x default)"
+                 for r in range(args.rounds)]
+        print(f"{args.dtype} {k:20s} " + "; ".join(cells))
 
 
 if __name__ == "__main__":

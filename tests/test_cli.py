@@ -118,6 +118,7 @@ def test_bench_repeated_workload_reports_rounds(tmp_path):
     (["bench", "--workload", "structured", "--schemas", "pyproject.toml"], "not a JSONSchemaBench"),
     (["serve", "--method", "warp"], "unknown method"),
     (["serve", "--port", "0"], "--port"),
+    (["serve", "--deterministic", "--runner", "hf"], "native runner"),
 ])
 def test_constraint_and_serve_errors(capsys, argv, needle):
     assert needle in _err(capsys, argv)

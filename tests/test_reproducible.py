@@ -154,3 +154,9 @@ def test_smollm2_bfloat16_invariant_logits():
     prompt = tok("The lighthouse keeper climbed the stairs and", add_special_tokens=False).input_ids
     tokens = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[]).generate(prompt, 48).tokens
     assert _chain_logits_match(runner, prompt, tokens, [2, 7, 3, 12, 5, 16]) == []
+
+
+def test_cheap_floors_are_at_most_one_padding_row():
+    """The server turns the mode on by default only where its padding costs at most one row."""
+    assert RowFloors(down=2, up_to=65).cheap and RowFloors(up_to=65).cheap
+    assert not RowFloors(qkv=4, up_to=65).cheap and not RowFloors(step=3, up_to=65).cheap

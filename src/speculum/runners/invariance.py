@@ -31,6 +31,7 @@ from ..attention import folded_attention
 
 PROBE_ROWS = tuple(range(1, 17)) + (20, 24, 32, 40, 48, 56, 64)  # row counts the probe tries
 KEY_FLOOR = 16  # attention in the reproducible mode spans at least this many keys (one AVX-512 vector of floats)
+CHEAP_FLOOR = 2  # floors up to this are cheap: at most one padding row, in a one-token step
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,11 @@ class RowFloors:
     step: int = 1  # rows of a whole step (the attention's floor)
     up_to: int = 1  # the largest row count probed: longer steps carry no guarantee
 
+    @property
+    def cheap(self) -> bool:
+        """Whether padding to these floors costs little: every floor is at most :data:`CHEAP_FLOOR`."""
+        return max(self.qkv, self.o, self.gate_up, self.down, self.head, self.step) <= CHEAP_FLOOR
+
 
 NO_FLOORS = RowFloors()
 
@@ -54,7 +60,8 @@ def _floor_of(fn, x: torch.Tensor, counts: tuple[int, ...]) -> int | None:
     rows of ``x [R, ...]`` gives the rows ``fn`` gives them among all ``R``; None when not even ``R``
     rows agree. ``fn(rows, first)`` maps rows to rows (``first``: the index of the first one). Each
     count is tried on every window of ``x`` that fits (``R // c`` of them): a kernel rounds some
-    rows differently and not others, so one row would not tell."""
+    rows differently and not others, so one row would not tell. Agreement at ``R`` alone is no floor
+    (None)."""
     ref = fn(x, 0)
     if not torch.equal(fn(x, 0), ref):
         return None
@@ -63,7 +70,7 @@ def _floor_of(fn, x: torch.Tensor, counts: tuple[int, ...]) -> int | None:
         if any(not torch.equal(fn(x[j:j + c], j), ref[j:j + c]) for j in range(0, x.shape[0] - c + 1, c)):
             break
         floor = c
-    return floor
+    return floor if floor is not None and floor < x.shape[0] else None
 
 
 def _chain_attention(decoder, k: torch.Tensor, v: torch.Tensor, context: int, extra: int, q: torch.Tensor,

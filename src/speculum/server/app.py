@@ -62,11 +62,11 @@ class ServerState:
     not depend on how many tokens a step verified, and trees are cut to their best chain
     (``Engine(chains_only=True)``). A temperature-0 or seeded request then gives the same output
     each time, whatever the drafters learnt in between, and the output of ``ar``. None (the
-    default): on where it is cheap, i.e. the native runner runs the model and this machine's kernels
-    have row floors (bfloat16 through oneDNN); elsewhere off, and whole trees are verified (float32
-    output then repeats in practice: its rounding differences hardly ever change a token). True:
-    on, with every step padded to a fixed row count where the kernels have no floors (slow);
-    False: off.
+    default): on where it is cheap, i.e. the native runner runs the model and this machine's
+    kernels have row floors of at most two rows (bfloat16 through oneDNN); elsewhere off, and whole
+    trees are verified (float32 output then repeats in practice: its rounding differences hardly
+    ever change a token). True: on, with every step padded to a fixed row count where the kernels
+    have no floors (slow); False: off.
     """
 
     def __init__(self, model, tokenizer, model_name: str, method: str = "auto", max_queue: int = 16,
@@ -85,7 +85,7 @@ class ServerState:
         self.deterministic = False
         if native and deterministic is not False:
             invariant = self.runner.invariant(max_tree + 1)
-            if deterministic or invariant.floors is not None:
+            if deterministic or (invariant.floors is not None and invariant.floors.cheap):
                 self.runner, self.deterministic = invariant, True
                 if invariant.fixed_rows is not None:  # no row floors here: every step padded
                     self.max_tree = min(max_tree, invariant.fixed_rows - 1)
