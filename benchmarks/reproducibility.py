@@ -3,10 +3,11 @@
 For each of the first ``--prompts`` Spec-Bench development prompts, each method answers it
 ``--repeats`` times, another prompt in between each time (so the suffix cache, the recycling
 table and ``auto``'s bandit change), and the script counts the distinct outputs and whether they
-equal ``ar``'s. ``--mode default`` is the usual runner; ``--mode fixed`` the reproducible one
-(``serve --deterministic``: steps padded to 16 rows, chain drafts only).
+equal ``ar``'s. ``--mode default`` is the usual runner; ``--mode invariant`` the reproducible one
+(``serve``'s default where the kernels allow it: row-invariant steps, chain drafts only);
+``--mode fixed`` the fallback (every step padded to ``--rows`` rows, chain drafts only).
 
-    python benchmarks/reproducibility.py --dtype bfloat16 --mode fixed
+    python benchmarks/reproducibility.py --dtype bfloat16 --mode invariant
 """
 
 from __future__ import annotations

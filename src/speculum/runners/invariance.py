@@ -108,8 +108,9 @@ def _attention_floor(decoder, counts: tuple[int, ...], gen: torch.Generator) -> 
 def measure_floors(decoder, max_rows: int = 65) -> RowFloors | None:
     """``decoder``'s :class:`RowFloors` on this machine, probed on its first layer's linear layers,
     its output head and its attention shape with random inputs, for row counts up to ``max_rows``;
-    None when some kernel gives no row count up to ``max_rows`` row-independent results (then
-    pad every step to ``max_rows`` rows instead). Takes about a second for a small model."""
+    None when some kernel gives no row count below ``max_rows`` row-independent results (the
+    reproducible mode then pads every step to a fixed row count). Takes a second or two for a
+    small model."""
     counts = tuple(c for c in PROBE_ROWS if c < max_rows) + (max_rows,)
     gen = torch.Generator().manual_seed(0)
     layer = decoder.layers[0]

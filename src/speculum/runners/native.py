@@ -94,9 +94,13 @@ class NativeRunner(RunnerBase):
     def with_fixed_rows(self, rows: int, graph_context: int | None = None) -> NativeRunner:
         """A runner over these same weights (nothing is copied) whose steps are padded to ``rows``
         rows: the ``fixed_rows`` mode of ``__init__``, for a model whose runner already exists."""
+        return self._twin(None if self.graphs is None else self.graphs.capture or "padded", graph_context, rows)
+
+    def _twin(self, cuda_graphs: bool | str | None, graph_context: int | None, fixed_rows: int | None) -> NativeRunner:
+        """A runner sharing this one's weights and decoder, with its own step set-up (:meth:`_steps`)."""
         twin = object.__new__(NativeRunner)
         twin.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("graphs", "_owner", "variant")})
-        twin._steps(None if self.graphs is None else self.graphs.capture or "padded", graph_context, rows)
+        twin._steps(cuda_graphs, graph_context, fixed_rows)
         return twin
 
     def invariant(self, max_rows: int = 65, fallback_rows: int = 16, floors: RowFloors | None = None) -> NativeRunner:
@@ -116,9 +120,7 @@ class NativeRunner(RunnerBase):
         floors = floors or measure_floors(self.decoder, max_rows)
         if floors is None:
             return self.with_fixed_rows(fallback_rows)
-        twin = object.__new__(NativeRunner)
-        twin.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("graphs", "_owner", "variant")})
-        twin._steps(False, None, None)
+        twin = self._twin(False, None, None)
         twin.floors = floors
         twin.variant += " invariant"
         return twin
