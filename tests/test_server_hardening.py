@@ -16,7 +16,8 @@ import openai
 import pytest
 from conftest import serve_in_thread
 
-from speculum.runners import NativeRunner
+from speculum.runners import runner_for
+from speculum.runners.invariance import measure_floors
 from speculum.server import ServerState, create_app
 from speculum.server.guard import GuardSettings
 from speculum.server.limits import RequestLimits, json_depth
@@ -340,7 +341,7 @@ def bf16_server():
     import speculum
 
     model, tok = speculum.load("default", dtype="bfloat16")
-    floors = NativeRunner(model).invariant().floors
+    floors = measure_floors(runner_for(model).decoder)  # what ServerState measures too
     state = ServerState(model, tok, "smollm2", method="auto",
                         deterministic=None if floors is not None and floors.cheap else True)
     assert state.deterministic and state.chains_only

@@ -144,11 +144,13 @@ class NativeRunner(RunnerBase):
         self._check_owner(cache)
         n = len(ids)
         floors = None if last_only else self.floors
-        if floors is not None and n > floors.up_to:
-            raise RuntimeError(f"a {n}-row step in the reproducible mode, whose floors were probed up to {floors.up_to}")
-        if floors is not None and n < max(floors.step, KEY_FLOOR - cache.length):
+        if floors is not None:
+            if n > floors.up_to:
+                raise RuntimeError(f"a {n}-row step in the reproducible mode, whose floors were probed up to "
+                                   f"{floors.up_to}")
             rows = max(floors.step, KEY_FLOOR - cache.length)
-            ids, step = ids + [ids[0]] * (rows - n), _padded(step, rows)
+            if n < rows:
+                ids, step = ids + [ids[0]] * (rows - n), _padded(step, rows)
         m = len(ids)
         cache.reserve(cache.length + m)
         s = self.shape
@@ -180,7 +182,7 @@ class NativeRunner(RunnerBase):
 def _padded(step: Step, rows: int) -> Step:
     """``step`` with padding rows up to ``rows``: at the first row's position, each seeing only itself
     (and the cache), unseen by the real rows."""
-    n = step.n
-    mask = torch.eye(rows, dtype=torch.bool, device=step.positions.device)
-    mask[:n, :n] = step.new_mask if step.new_mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
+    n, dev = step.n, step.positions.device
+    mask = torch.eye(rows, dtype=torch.bool, device=dev)
+    mask[:n, :n] = step.new_mask if step.new_mask is not None else torch.ones(n, n, dtype=torch.bool, device=dev).tril()
     return Step(torch.cat([step.positions, step.positions[:1].expand(rows - n)]), mask)
