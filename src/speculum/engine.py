@@ -41,10 +41,11 @@ from .result import GenerationResult, StepStats
 from .runners import PolicyRunner, runner_for
 from .sampling import SamplingParams
 from .stops import Stops, cut_at_stop
+from .tree import DraftTree
 from .tree_sizing import TreeSizer
 from .verify import Verifier
 
-__all__ = ["Engine", "GenerationResult", "StepStats", "check_prompt_fits", "cut_at_stop", "default_eos_ids"]
+__all__ = ["Decoding", "Engine", "GenerationResult", "StepStats", "check_prompt_fits", "cut_at_stop", "default_eos_ids"]
 
 
 class Engine:
@@ -94,52 +95,58 @@ class Engine:
         context) before the rest (the question) is appended, query-agnostic; by default it sees the
         whole prompt at prefill.
         """
+        d = self.start(prompt_ids, max_new_tokens, sampling, stop, seed, grammar, query_start=query_start)
+        while d.reason is None:
+            new = self.step([d])[0]
+            if new:
+                yield new
+        return d.finish()
+
+    def start(self, prompt_ids: Sequence[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+              stop: Sequence[str] = (), seed: int | None = None, grammar: Grammar | None = None, *,
+              cache=None, drafter: Drafter | None = None, prefill: bool = True,
+              query_start: int | None = None) -> Decoding:
+        """Begin a request: a :class:`Decoding` to advance with :meth:`step` (alone or beside others).
+
+        ``cache``: an empty KV cache to decode into (a pool slot, for batching; default a new one);
+        ``drafter``: this request's drafter (default the engine's; concurrent requests each need
+        their own, :meth:`~speculum.drafters.base.Drafter.fork`). ``prefill=False`` leaves the
+        prompt to :meth:`Decoding.prefill_some`, chunk by chunk.
+        """
         sampling = sampling or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         self._validate(prompt, max_new_tokens)
-        runner, drafter = self.runner, self.drafter
         generator = self._generator(sampling, seed)
         verifier = self.verifier_cls(sampling, generator, key=self._sampling_key(generator, seed))
-        guide = guide_for(grammar, runner.vocab_size)
-        stops = Stops(self.tokenizer, self.eos_ids, stop, max_new_tokens, runner.max_length)
+        stops = Stops(self.tokenizer, self.eos_ids, stop, max_new_tokens, self.runner.max_length)
+        d = Decoding(self, prompt, max_new_tokens, verifier, guide_for(grammar, self.runner.vocab_size), stops,
+                     drafter or self.drafter, cache)
+        if prefill:
+            d.prefill_some(len(prompt), query_start)
+        return d
 
-        t0 = time.perf_counter()
-        cache = runner.new_cache(len(prompt) + max_new_tokens + self.max_tree + 1)
-        runner.prefill(cache, prompt[:-1], query_start=query_start)
-        drafter.reset(prompt, sampling, verifier.generator)
-        prefill_s = time.perf_counter() - t0
-
-        tokens, generated, steps, reason = list(prompt), [], [], None
-        while reason is None:
-            t_a = time.perf_counter()
-            room = max(min(self.max_tree, max_new_tokens - len(generated) - 1, runner.max_length - len(tokens) - 1), 0)
-            tree = drafter.propose(tokens, room)  # draft
-            if len(tree) > room:
-                raise RuntimeError(f"{drafter.name} drafted {len(tree)} nodes with a budget of {room}")
-            sized = self.sizer is not None and tree.scores is not None
-            tree = guide.shape(tree, room)
-            if sized:  # size
-                tree = self.sizer.select(tree, cache.length)
-            if self.chains_only:
-                tree = tree.best_chain()
-            tree = guide.bind(tree)
-            t_b = time.perf_counter()
-            logits = guide.mask(runner.forward(cache, tokens[-1], tree).logits)  # verify
-            acc = verifier.accept(tree, logits, position=len(tokens))
-            t_c = time.perf_counter()
-            runner.commit(cache, [0] + [i + 1 for i in acc.path])  # commit
-            left = min(max_new_tokens - len(generated), runner.max_length - len(tokens))
-            new, reason = stops.extend(generated, tokens, *guide.close(acc.tokens, left))
-            guide.commit(new)
-            if reason is None:
-                drafter.update(tokens, tree, acc, logits)  # update
-            steps.append(StepStats(len(tree), len(acc.path), len(new), t_b - t_a, t_c - t_b,
-                                   time.perf_counter() - t_c, guide.forced, guide.mask_s))
-            if new:
-                yield new
-        drafter.finish(tokens)
-        return GenerationResult(len(prompt), generated, stops.final_text(generated, reason), reason,
-                                time.perf_counter() - t0, prefill_s, len(steps), steps, cache.peak_bytes)
+    def step(self, decodings: Sequence[Decoding]) -> list[list[int]]:
+        """One verification step for every decoding (all prefilled, none finished): draft, size,
+        one forward over all of them (:meth:`~speculum.runners.base.RunnerBase.forward_batch`),
+        verify, commit, update. Returns each one's newly committed tokens."""
+        t_a = time.perf_counter()
+        trees = [d.draft() for d in decodings]
+        if self.sizer is not None:
+            if len(decodings) == 1:
+                if decodings[0].scored:
+                    trees = [self.sizer.select(trees[0], decodings[0].cache.length)]
+            else:
+                trees = self.sizer.select_batch(trees, [d.cache.length for d in decodings])
+        trees = [d.bind(t) for d, t in zip(decodings, trees)]
+        t_b = time.perf_counter()
+        caches = [d.cache for d in decodings]
+        roots = [d.tokens[-1] for d in decodings]
+        if len(decodings) == 1:
+            outs = [self.runner.forward(caches[0], roots[0], trees[0])]
+        else:
+            outs = self.runner.forward_batch(caches, roots, trees)
+        t_c = time.perf_counter()
+        return [d.advance(t, o.logits, t_b - t_a, t_c - t_b) for d, t, o in zip(decodings, trees, outs)]
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 128,
                  sampling: SamplingParams | None = None, stop: Sequence[str] = (), seed: int | None = None,
@@ -182,6 +189,97 @@ class Engine:
         vocab = self.runner.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise SpeculumError(f"prompt token ids must lie in [0, {vocab})")
+
+
+class Decoding:
+    """One request in flight: its tokens, cache, drafter, verifier, guide and stops.
+
+    Made by :meth:`Engine.start` and advanced by :meth:`Engine.step` (one step may serve several
+    decodings in one forward); :meth:`finish` returns the :class:`GenerationResult`. ``reason`` is
+    None while the request runs, then why it ended.
+    """
+
+    def __init__(self, engine: Engine, prompt: list[int], max_new_tokens: int, verifier: Verifier, guide,
+                 stops: Stops, drafter: Drafter, cache=None):
+        self.engine, self.runner = engine, engine.runner
+        self.prompt, self.max_new_tokens = prompt, max_new_tokens
+        self.verifier, self.guide, self.stops, self.drafter = verifier, guide, stops, drafter
+        self.t0 = time.perf_counter()
+        self.cache = cache if cache is not None else self.runner.new_cache(
+            len(prompt) + max_new_tokens + engine.max_tree + 1)
+        self.to_prefill = len(prompt) - 1 - self.cache.length  # prompt[:-1] goes to the cache first
+        self.prefill_s = 0.0
+        self.tokens, self.generated, self.steps = list(prompt), [], []
+        self.reason: str | None = None
+        self.started = False  # prefilled and the drafter reset
+        self.scored = False  # whether this step's drafted tree came with node scores (before shaping)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.to_prefill == 0
+
+    def prefill_some(self, limit: int, query_start: int | None = None) -> None:
+        """Commit up to ``limit`` more prompt tokens to the cache; once all are in, the drafter starts."""
+        if self.to_prefill > 0:
+            t = time.perf_counter()
+            at = self.cache.length
+            take = self.prompt[at:at + min(limit, self.to_prefill)]
+            if query_start is not None:  # a KV policy's context / question split needs the whole prompt
+                take = self.prompt[at:len(self.prompt) - 1]
+            self.runner.prefill(self.cache, take, query_start=query_start)
+            self.to_prefill -= len(take)
+            self.prefill_s += time.perf_counter() - t
+        if self.to_prefill == 0 and not self.started:
+            self.drafter.reset(self.prompt, self.verifier.params, self.verifier.generator)
+            self.started = True
+
+    def draft(self) -> DraftTree:
+        """The drafter's tree for this step, shaped by the guide (at most the room left)."""
+        e, runner = self.engine, self.runner
+        left = self.max_new_tokens - len(self.generated) - 1
+        self.room = max(min(e.max_tree, left, runner.max_length - len(self.tokens) - 1), 0)
+        tree = self.drafter.propose(self.tokens, self.room)
+        if len(tree) > self.room:
+            raise RuntimeError(f"{self.drafter.name} drafted {len(tree)} nodes with a budget of {self.room}")
+        self.scored = tree.scores is not None
+        return self.guide.shape(tree, self.room)
+
+    def bind(self, tree: DraftTree) -> DraftTree:
+        """The tree as verified: its best chain in the reproducible mode, bound to the guide."""
+        if self.engine.chains_only:
+            tree = tree.best_chain()
+        return self.guide.bind(tree)
+
+    def advance(self, tree: DraftTree, raw_logits: torch.Tensor, draft_s: float, verify_s: float) -> list[int]:
+        """Verify ``tree`` against its logits ``[len(tree) + 1, V]``, commit, update; the new tokens."""
+        t = time.perf_counter()
+        guide, stops = self.guide, self.stops
+        logits = guide.mask(raw_logits)
+        acc = self.verifier.accept(tree, logits, position=len(self.tokens))
+        verify_s += time.perf_counter() - t
+        t_c = time.perf_counter()
+        self.runner.commit(self.cache, [0] + [i + 1 for i in acc.path])
+        left = min(self.max_new_tokens - len(self.generated), self.runner.max_length - len(self.tokens))
+        new, self.reason = stops.extend(self.generated, self.tokens, *guide.close(acc.tokens, left))
+        guide.commit(new)
+        if self.reason is None:
+            self.drafter.update(self.tokens, tree, acc, logits)
+        self.steps.append(StepStats(len(tree), len(acc.path), len(new), draft_s, verify_s,
+                                    time.perf_counter() - t_c, guide.forced, guide.mask_s))
+        return new
+
+    def cancel(self) -> None:
+        """End the request early (its client went away); :meth:`finish` still reports what was made."""
+        if self.reason is None:
+            self.reason = "cancelled"
+
+    def finish(self) -> GenerationResult:
+        """The result; the drafter learns from the whole request (cross-request drafters)."""
+        self.drafter.finish(self.tokens)
+        reason = self.reason or "cancelled"
+        return GenerationResult(len(self.prompt), self.generated, self.stops.final_text(self.generated, reason),
+                                reason, time.perf_counter() - self.t0, self.prefill_s, len(self.steps),
+                                self.steps, self.cache.peak_bytes)
 
 
 def check_prompt_fits(prompt_tokens: int, max_positions: int) -> None:

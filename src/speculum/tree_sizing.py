@@ -14,12 +14,23 @@ tokens per second::
 On a machine where 16 tokens cost barely more than one the chosen trees are wide; where cost
 grows linearly (a float32 CPU, a small GPU) they shrink to the few nodes that are nearly sure,
 and to nothing at all when no node is likely enough: drafting stops when it does not pay.
+
+**Batches** (SmartSpec's goodput rule). When ``B`` sequences share one forward, their trees compete
+for the same rows: :meth:`TreeSizer.select_batch` pools every tree's nodes, sorts them by score and
+keeps the ``N`` that maximise the batch's expected committed tokens per second::
+
+    N* = argmax_N (B + s_(1) + ... + s_(N)) / (c_B(B + N) + overhead)
+
+with ``c_B(rows)`` the measured cost of one forward over ``B`` sequences and ``rows`` rows in all
+(:meth:`CostModel.batch_cost`). A one-token step is nearly free beside a single sequence's
+forward but not beside fifteen others', so speculation shrinks as the batch grows and stops where
+the rows buy more when spent on other users.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .tree import DraftTree
 
@@ -32,11 +43,20 @@ class CostModel:
         tokens: ``[k]`` increasing token counts measured (1 first).
         contexts: ``[m]`` increasing context lengths measured.
         seconds: ``[m][k]`` median forward time at ``contexts[j]`` over ``tokens[i]`` new tokens.
+        sequences: ``[p]`` batch sizes measured by the batched forward (empty: not measured).
+        rows: ``[q]`` rows per sequence measured in the batched forward.
+        batch_context: cached entries of each sequence in those measurements.
+        batch_seconds: ``[p][q]`` median time of one forward over ``sequences[a]`` sequences with
+            ``rows[b]`` rows each.
     """
 
     tokens: list[int]
     contexts: list[int]
     seconds: list[list[float]]
+    sequences: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    batch_context: int = 0
+    batch_seconds: list[list[float]] = field(default_factory=list)
 
     def cost(self, n: int, context: int) -> float:
         """Interpolated forward time over ``n`` tokens after ``context`` cached ones (seconds)."""
@@ -50,25 +70,46 @@ class CostModel:
         w = (context - c0) / (c1 - c0)
         return max((1 - w) * self._at(j - 1, n) + w * self._at(j, n), 1e-9)
 
+    def batch_cost(self, sequences: int, rows: int, context: int) -> float:
+        """Forward time over ``sequences`` sequences with ``rows`` rows in all and ``context`` cached
+        entries in all: the batch table at the mean rows per sequence, interpolated over the batch
+        size, plus the single-sequence curve's cost per cached entry for the difference in context.
+        Without a batch table, one sequence's cost over ``rows`` rows after ``context`` entries."""
+        if sequences <= 1 or not self.sequences:
+            return self.cost(rows, context)
+        per_seq = rows / sequences
+        base = _interp(self.sequences, [_interp(self.rows, r, per_seq) for r in self.batch_seconds], sequences)
+        c0, c1 = self.contexts[0], self.contexts[-1]
+        slope = (self.cost(1, c1) - self.cost(1, c0)) / (c1 - c0) if c1 > c0 else 0.0
+        return max(base + slope * (context - sequences * self.batch_context), 1e-9)
+
     def _at(self, j: int, n: int) -> float:
-        xs, ys = self.tokens, self.seconds[j]
-        i = bisect.bisect_left(xs, n)
-        if i < len(xs) and xs[i] == n:
-            return ys[i]
-        if i == 0:
-            return ys[0]
-        if i >= len(xs):  # beyond the largest measured count: linear from the last two points
-            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-            return ys[-1] + slope * (n - xs[-1])
-        x0, x1 = xs[i - 1], xs[i]
-        return ys[i - 1] + (ys[i] - ys[i - 1]) * (n - x0) / (x1 - x0)
+        return _interp(self.tokens, self.seconds[j], n)
 
     def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "contexts": self.contexts, "seconds": self.seconds}
+        return {"tokens": self.tokens, "contexts": self.contexts, "seconds": self.seconds,
+                "sequences": self.sequences, "rows": self.rows, "batch_context": self.batch_context,
+                "batch_seconds": self.batch_seconds}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
-        return cls(list(d["tokens"]), list(d["contexts"]), [list(r) for r in d["seconds"]])
+        return cls(list(d["tokens"]), list(d["contexts"]), [list(r) for r in d["seconds"]],
+                   list(d.get("sequences", [])), list(d.get("rows", [])), int(d.get("batch_context", 0)),
+                   [list(r) for r in d.get("batch_seconds", [])])
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear ``y(x)`` through increasing ``xs``; constant below them, and beyond the last
+    one the last segment's slope."""
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return ys[i]
+    if i == 0 or len(xs) == 1:
+        return ys[0]
+    if i >= len(xs):
+        i = len(xs) - 1
+    x0, x1 = xs[i - 1], xs[i]
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
 
 
 def best_size(scores_desc: list[float], cost: CostModel, context: int, overhead_s: float = 0.0) -> int:
@@ -104,3 +145,31 @@ class TreeSizer:
         if n == len(tree):
             return tree
         return tree.subtree(sorted(order[:n]))
+
+    def select_batch(self, trees: list[DraftTree], contexts: list[int]) -> list[DraftTree]:
+        """Size the trees of ``B`` sequences that share one forward (``contexts[j]``: sequence
+        ``j``'s cached entries) for the batch's expected tokens per second (see the module doc).
+        Trees without scores keep every node, and their rows count in the cost."""
+        b = len(trees)
+        fixed_rows = b + sum(len(t) for t in trees if t.scores is None)
+        pooled = []  # (-score, depth, tree, node): every scored node, best first
+        for j, t in enumerate(trees):
+            if t.scores is not None:
+                depth = t.depths()
+                pooled += [(-t.scores[i], depth[i], j, i) for i in range(len(t))]
+        if not pooled:
+            return trees
+        pooled.sort()
+        context = sum(contexts)
+        best_n, expected = 0, float(b)  # the bonus tokens; unscored nodes are not counted on
+        best_rate = expected / (self.cost.batch_cost(b, fixed_rows, context) + self.overhead_s)
+        for n, (neg, *_rest) in enumerate(pooled, start=1):
+            expected -= neg
+            rate = expected / (self.cost.batch_cost(b, fixed_rows + n, context) + self.overhead_s)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        keep: dict[int, list[int]] = {j: [] for j, t in enumerate(trees) if t.scores is not None}
+        for _, _, j, i in pooled[:best_n]:
+            keep[j].append(i)
+        return [t if j not in keep or len(keep[j]) == len(t) else t.subtree(sorted(keep[j]))
+                for j, t in enumerate(trees)]

@@ -4,12 +4,14 @@ caches that extend it.
 - :class:`StaticKVCache`: one ``[layers, 2, H_kv, C, d]`` buffer (every runner's plain cache);
 - :class:`PositionedKVCache`: a static cache whose slots remember their positions (eviction and
   sparse-read KV policies; rolling positions for StreamingLLM);
-- :class:`QuantKVCache`: packed 2/4-bit entries plus a full-precision window (KIVI).
+- :class:`QuantKVCache`: packed 2/4-bit entries plus a full-precision window (KIVI);
+- :class:`SlotPool` / :class:`SlotCache`: many sequences' static caches in one buffer (batching).
 """
 
 from .base import KVCache
+from .pool import SlotCache, SlotPool
 from .positioned import PositionedKVCache
 from .quantized import QuantKVCache
 from .static import StaticKVCache
 
-__all__ = ["KVCache", "PositionedKVCache", "QuantKVCache", "StaticKVCache"]
+__all__ = ["KVCache", "PositionedKVCache", "QuantKVCache", "SlotCache", "SlotPool", "StaticKVCache"]

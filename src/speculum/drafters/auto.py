@@ -52,6 +52,15 @@ class AutoDrafter(Drafter):
         self.chosen: list[str] = []  # arm of every step of the current request (for reports)
         self._pending = None  # (arm, start time, committed length) of the step in flight
 
+    def fork(self) -> AutoDrafter:
+        """Forked arms; the bandit's evidence (tokens, time and pulls per arm) stays shared."""
+        twin = super().fork()
+        twin.suffix, twin.recycling, twin.ngram = self.suffix.fork(), self.recycling.fork(), self.ngram.fork()
+        twin.arms = {"mix": MixDrafter([twin.suffix, twin.recycling]), "ngram": twin.ngram,
+                     "none": self.arms["none"].fork()}
+        twin.chosen, twin._pending = [], None
+        return twin
+
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
         for d in (self.suffix, self.recycling, self.ngram):

@@ -8,6 +8,7 @@ draft-model cache position).
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 
 import torch
@@ -37,6 +38,16 @@ class Drafter(ABC):
         ``logits`` ``[len(tree) + 1, V]`` are the target's logits for ``[root] + tree.tokens`` (row 0
         predicts the token after the root, row ``i + 1`` the token after node ``i``).
         """
+
+    def fork(self) -> Drafter:
+        """A drafter for one more request running at the same time as this one's (a batch): it
+        shares what this drafter learns across requests and has its own per-request state.
+
+        Here a shallow copy: right for a drafter whose cross-request state lives in containers made
+        in ``__init__`` and changed in place, and whose per-request state is (re)assigned in
+        :meth:`reset`. A drafter that holds other drafters, or assigns shared state anew, overrides it.
+        """
+        return copy.copy(self)
 
     def finish(self, tokens: list[int]) -> None:
         """Called once when a request ends, with its prompt and output (cross-request drafters learn here)."""

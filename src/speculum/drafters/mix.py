@@ -24,6 +24,11 @@ class MixDrafter(Drafter):
             raise ValueError("mix needs sources with an expand(builder, tokens, budget) method")
         self.sources, self.max_nodes = sources, max_nodes
 
+    def fork(self) -> MixDrafter:
+        twin = super().fork()
+        twin.sources = [s.fork() for s in self.sources]
+        return twin
+
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
         for s in self.sources:

@@ -26,6 +26,7 @@ one-token row when present (a two-token key tells apart the contexts a frequent 
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -83,10 +84,15 @@ class RecyclingDrafter(Drafter):
             raise ValueError("pair_context needs tree='scored'")
         self.k, self.tree, self.max_depth, self.max_nodes = k, tree, max_depth, max_nodes
         self.pair_context, self.max_pairs = pair_context, max_pairs
-        self.matrix: np.ndarray | None = None  # [V, k] int64, -1 = no candidate yet
+        self.table = _Table()  # the candidate matrix, shared by forks
         self.pairs: dict[tuple[int, int], np.ndarray] = {}  # (previous, token) -> [k] candidates
         self.rates = HitRates(prior=_prior)
         self.template = [p for p in TEMPLATE if p[-1] < k]
+
+    @property
+    def matrix(self) -> np.ndarray | None:
+        """``[V, k]`` int64 candidates after each token, -1 = none yet (None before the first update)."""
+        return self.table.matrix
 
     def _row(self, prev: int, tok: int) -> tuple[np.ndarray | None, int]:
         """Candidates after ``prev, tok``: ``(row [k], 1)`` from the pair table, else ``(M[tok], 0)``."""
@@ -154,7 +160,7 @@ class RecyclingDrafter(Drafter):
         """Store the top-k of ``logits`` ``[n + 1, V]`` as the candidates after each of ``inputs``
         ``[n + 1]`` (and after each pair ``prevs[i], inputs[i]``); later rows win."""
         if self.matrix is None:
-            self.matrix = np.full((logits.shape[-1], self.k), -1, dtype=np.int64)
+            self.table.matrix = np.full((logits.shape[-1], self.k), -1, dtype=np.int64)
         top = logits.topk(self.k, dim=-1).indices.cpu().numpy()  # [n + 1, k]
         self.matrix[np.asarray(inputs)] = top
         if self.pair_context:
@@ -175,3 +181,10 @@ class RecyclingDrafter(Drafter):
         if self.tree == "scored":
             record_tree(self.rates, SOURCE, tree, logits, acceptance)
         self.learn(inputs, prevs, logits)
+
+
+@dataclass
+class _Table:
+    """The candidate matrix, in a holder so that forks of a drafter share it once it exists."""
+
+    matrix: np.ndarray | None = None  # [V, k] int64

@@ -28,6 +28,7 @@ is ``suffix_merged`` (:mod:`.suffix_merged`).
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -75,7 +76,7 @@ class SuffixDrafter(Drafter):
         self.cache_requests = cache_requests
         self.global_index = SuffixIndex(max_depth)
         self.global_ids: deque[int] = deque()
-        self.next_id = 0
+        self.ids = itertools.count()  # request ids in the global trie (shared by forks)
 
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
@@ -141,8 +142,8 @@ class SuffixDrafter(Drafter):
         output = tokens[self.prompt_len:]
         if not output:
             return
-        self.global_index.extend(self.next_id, output)
-        self.global_ids.append(self.next_id)
-        self.next_id += 1
+        rid = next(self.ids)
+        self.global_index.extend(rid, output)
+        self.global_ids.append(rid)
         while len(self.global_ids) > self.cache_requests:
             self.global_index.remove(self.global_ids.popleft())

@@ -137,6 +137,18 @@ class RunnerBase:
             self._check_layers(hidden_layers)
         return self._run(cache, [root] + tree.tokens, self.step_for(cache, tree), False, hidden_layers)
 
+    def forward_batch(self, caches: Sequence[KVCache], roots: Sequence[int],
+                      trees: Sequence[DraftTree]) -> list[Forward]:
+        """:meth:`forward` for several sequences, each with its own cache, root and tree: logits
+        ``[n_j + 1, V]`` per sequence. Here one forward after another; the native runner stacks them
+        into one (:mod:`speculum.runners.batched`)."""
+        return [self.forward(c, r, t) for c, r, t in zip(caches, roots, trees)]
+
+    def new_pool(self, slots: int, capacity: int = 1024):
+        """Where :meth:`forward_batch`'s caches come from: an object whose ``acquire()`` returns an
+        empty cache and ``release(cache)`` frees it. Here, independent caches."""
+        return _Caches(self)
+
     def forward_tree(self, cache: KVCache, root: int, tree: DraftTree) -> torch.Tensor:
         """:meth:`forward`'s logits ``[n + 1, V]`` alone."""
         return self.forward(cache, root, tree).logits
@@ -144,3 +156,16 @@ class RunnerBase:
     def commit(self, cache: KVCache, keep: list[int] | None = None) -> None:
         """Keep the pending entries at indices ``keep`` (root first; None: all of them)."""
         cache.commit(keep)
+
+
+class _Caches:
+    """A runner's independent caches behind the pool interface (:meth:`RunnerBase.new_pool`)."""
+
+    def __init__(self, runner: RunnerBase):
+        self.runner = runner
+
+    def acquire(self) -> KVCache:
+        return self.runner.new_cache()
+
+    def release(self, cache: KVCache) -> None:
+        pass

@@ -18,10 +18,11 @@ from collections.abc import Sequence
 import torch
 
 from ..attention import Step, grouped, visibility
-from ..cache import StaticKVCache
+from ..cache import SlotCache, SlotPool, StaticKVCache
 from ..models import context_length
 from ..tree import DraftTree
 from .base import Forward, RunnerBase
+from .batched import batched_forward, stack_rows
 from .decoder import NativeDecoder
 from .invariance import KEY_FLOOR, RowFloors, measure_floors
 
@@ -134,6 +135,30 @@ class NativeRunner(RunnerBase):
             self._owner = weakref.ref(cache)
             return cache
         return StaticKVCache(s.layers, s.kv_heads, s.head_dim, self.dtype, self.device, capacity)
+
+    def new_pool(self, slots: int, capacity: int = 1024) -> SlotPool:
+        """``slots`` sequences' caches in one buffer (:class:`~speculum.cache.SlotPool`), whose
+        :meth:`forward_batch` runs as one forward."""
+        s = self.shape
+        return SlotPool(s.layers, s.kv_heads, s.head_dim, self.dtype, self.device, slots, capacity)
+
+    @torch.inference_mode()
+    def forward_batch(self, caches, roots, trees) -> list[Forward]:
+        """One forward for several sequences (:mod:`speculum.runners.batched`) when their caches share
+        one :class:`~speculum.cache.SlotPool`; logits ``[n_j + 1, V]`` per sequence, entries pending."""
+        pools = {id(c.pool) for c in caches if isinstance(c, SlotCache)}
+        if len(caches) < 2 or len(pools) != 1 or not all(isinstance(c, SlotCache) for c in caches):
+            return super().forward_batch(caches, roots, trees)
+        ids = [[r] + t.tokens for r, t in zip(roots, trees)]
+        for c, x in zip(caches, ids):
+            c.reserve(c.length + len(x))
+        s = self.shape
+        rows = stack_rows(caches, ids, [self.step_for(c, t) for c, t in zip(caches, trees)], s.group,
+                          s.sliding_window, self.dtype, self.device)
+        out = batched_forward(self.decoder, caches[0].pool.kv, rows, self.floors)
+        for c, x in zip(caches, ids):
+            c.pending = len(x)
+        return out
 
     def _check_owner(self, cache: StaticKVCache) -> None:
         if cache.fixed and (self._owner is None or self._owner() is not cache):
