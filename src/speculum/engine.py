@@ -45,7 +45,7 @@ from .tree import DraftTree
 from .tree_sizing import TreeSizer
 from .verify import Verifier
 
-__all__ = ["Decoding", "Engine", "GenerationResult", "StepStats", "check_prompt_fits", "cut_at_stop", "default_eos_ids"]
+__all__ = ["Decoding", "Engine", "GenerationResult", "StepStats", "check_prompt_fits", "cut_at_stop", "default_eos_ids", "step"]
 
 
 class Engine:
@@ -126,27 +126,8 @@ class Engine:
         return d
 
     def step(self, decodings: Sequence[Decoding]) -> list[list[int]]:
-        """One verification step for every decoding (all prefilled, none finished): draft, size,
-        one forward over all of them (:meth:`~speculum.runners.base.RunnerBase.forward_batch`),
-        verify, commit, update. Returns each one's newly committed tokens."""
-        t_a = time.perf_counter()
-        trees = [d.draft() for d in decodings]
-        if self.sizer is not None:
-            if len(decodings) == 1:
-                if decodings[0].scored:
-                    trees = [self.sizer.select(trees[0], decodings[0].cache.length)]
-            else:
-                trees = self.sizer.select_batch(trees, [d.cache.length for d in decodings])
-        trees = [d.bind(t) for d, t in zip(decodings, trees)]
-        t_b = time.perf_counter()
-        caches = [d.cache for d in decodings]
-        roots = [d.tokens[-1] for d in decodings]
-        if len(decodings) == 1:
-            outs = [self.runner.forward(caches[0], roots[0], trees[0])]
-        else:
-            outs = self.runner.forward_batch(caches, roots, trees)
-        t_c = time.perf_counter()
-        return [d.advance(t, o.logits, t_b - t_a, t_c - t_b) for d, t, o in zip(decodings, trees, outs)]
+        """One verification step for every decoding of this engine: see :func:`step`."""
+        return step(decodings, self.sizer)
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 128,
                  sampling: SamplingParams | None = None, stop: Sequence[str] = (), seed: int | None = None,
@@ -280,6 +261,33 @@ class Decoding:
         return GenerationResult(len(self.prompt), self.generated, self.stops.final_text(self.generated, reason),
                                 reason, time.perf_counter() - self.t0, self.prefill_s, len(self.steps),
                                 self.steps, self.cache.peak_bytes)
+
+
+def step(decodings: Sequence[Decoding], sizer: TreeSizer | None = None) -> list[list[int]]:
+    """One verification step for every decoding (all prefilled, none finished, all on one runner;
+    their engines and drafters may differ): draft, size, one forward over all of them
+    (:meth:`~speculum.runners.base.RunnerBase.forward_batch`), verify, commit, update. Returns each
+    one's newly committed tokens. ``sizer`` trims one decoding's tree for its own speed, or several
+    decodings' trees together for the batch's (:meth:`~speculum.tree_sizing.TreeSizer.select_batch`)."""
+    t_a = time.perf_counter()
+    trees = [d.draft() for d in decodings]
+    if sizer is not None:
+        if len(decodings) == 1:
+            if decodings[0].scored:
+                trees = [sizer.select(trees[0], decodings[0].cache.length)]
+        else:
+            trees = sizer.select_batch(trees, [d.cache.length for d in decodings])
+    trees = [d.bind(t) for d, t in zip(decodings, trees)]
+    t_b = time.perf_counter()
+    runner = decodings[0].runner
+    caches = [d.cache for d in decodings]
+    roots = [d.tokens[-1] for d in decodings]
+    if len(decodings) == 1:
+        outs = [runner.forward(caches[0], roots[0], trees[0])]
+    else:
+        outs = runner.forward_batch(caches, roots, trees)
+    t_c = time.perf_counter()
+    return [d.advance(t, o.logits, t_b - t_a, t_c - t_b) for d, t, o in zip(decodings, trees, outs)]
 
 
 def check_prompt_fits(prompt_tokens: int, max_positions: int) -> None:

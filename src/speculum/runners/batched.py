@@ -42,6 +42,7 @@ class BatchRows:
     slots: torch.Tensor  # [N] pool slot of the row's sequence
     writes: torch.Tensor  # [N] cache slot index its entry is written to
     grid: torch.Tensor  # [N] index into the padded [B * R] query grid
+    dense: bool  # grid == arange(B * R): the rows fill the grid in order (no scatter needed)
     counts: list[int]  # [J] rows per sequence
     lo: int  # first pool slot of the batch
     batch: int  # B: slots lo .. lo + B - 1
@@ -81,7 +82,7 @@ def stack_rows(caches: Sequence[SlotCache], ids: Sequence[list[int]], steps: Seq
     masks[True] = masks[False] if sliding is full else additive(sliding)
     as_tensor = lambda v: torch.tensor(v, device=device)
     return BatchRows(as_tensor([t for x in ids for t in x]), torch.cat([s.positions for s in steps]),
-                     as_tensor(row_slots), as_tensor(writes), as_tensor(grid), [len(x) for x in ids],
+                     as_tensor(row_slots), as_tensor(writes), as_tensor(grid), grid == list(range(b * r)), [len(x) for x in ids],
                      lo, b, r, keys, masks)
 
 
@@ -95,8 +96,7 @@ def batched_forward(decoder: NativeDecoder, pool_kv: torch.Tensor, rows: BatchRo
     """
     s = decoder.shape
     b, r, g, d = rows.batch, rows.rows, s.group, s.head_dim
-    n = rows.ids.shape[0]
-    dense = n == b * r  # every slot of the range brings exactly R rows: no scatter needed
+    dense = rows.dense
     math = floors is not None or use_math_attention(g * r, pool_kv.device)
     lo = rows.lo
 

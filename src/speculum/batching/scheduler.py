@@ -1,0 +1,181 @@
+"""Continuous batching: many requests decoded together, one target forward per step.
+
+A :class:`Batcher` owns a :class:`~speculum.cache.SlotPool` (one KV slot per running request) and
+loops over :meth:`Batcher.step`:
+
+1. **admit** waiting requests while a slot is free; a request whose prompt starts like a recent one
+   of the same tenant copies those KV entries (:class:`~.prefix_cache.PrefixCache`);
+2. **prefill** at most ``prefill_chunk`` prompt tokens, oldest request first, so that a long prompt
+   delays the others by one chunk per step, not by its whole length;
+3. **decode**: one :func:`~speculum.engine.step` over every prefilled request, each with its own
+   drafter (a fork of its method's), tree, guide and verifier; the tree sizer spends the rows of
+   the forward where they buy the most tokens (:meth:`~speculum.tree_sizing.TreeSizer.select_batch`);
+4. **retire** finished or cancelled requests and free their slots; others join on the next step.
+
+Requests may use different engines (methods) as long as they share the runner.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..engine import Decoding, Engine, GenerationResult, step
+from ..errors import SpeculumError
+from ..sampling import SamplingParams
+from ..tree_sizing import TreeSizer
+from .prefix_cache import PrefixCache
+
+
+@dataclass
+class BatchRequest:
+    """One request for a :class:`Batcher`. ``on_tokens(ids)`` receives each committed chunk and
+    ``on_done(result)`` the :class:`GenerationResult` (``on_error(exc)`` a failure), all called on
+    the thread that runs :meth:`Batcher.step`."""
+
+    engine: Engine
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    sampling: SamplingParams | None = None
+    stop: Sequence[str] = ()
+    seed: int | None = None
+    grammar: object | None = None
+    tenant: str = ""
+    on_tokens: Callable[[list[int]], None] | None = None
+    on_done: Callable[[GenerationResult], None] | None = None
+    on_error: Callable[[Exception], None] | None = None
+    decoding: Decoding | None = field(default=None, repr=False)
+    reused: int = 0  # prompt tokens whose KV entries came from the prefix cache
+    cancelled: bool = False
+    admitted_at: float | None = None
+
+
+class Batcher:
+    """Runs :class:`BatchRequest` s together on one runner.
+
+    Args:
+        runner: the target's runner (every request's engine must use it).
+        max_batch: the most requests decoded at once (KV slots).
+        prefill_chunk: prompt tokens prefilled per step while others decode.
+        prefix_cache: shared-prefix reuse (None: off).
+        sizer: sizes the trees of a step together (default: the first engine's sizer seen).
+    """
+
+    def __init__(self, runner, max_batch: int = 8, prefill_chunk: int = 128,
+                 prefix_cache: PrefixCache | None = None, sizer: TreeSizer | None = None):
+        if max_batch < 1:
+            raise SpeculumError(f"max_batch must be at least 1, got {max_batch}")
+        self.runner, self.max_batch, self.prefill_chunk = runner, max_batch, prefill_chunk
+        self.pool = runner.new_pool(max_batch)
+        self.prefix_cache, self.sizer = prefix_cache, sizer
+        self.waiting: deque[BatchRequest] = deque()
+        self.running: list[BatchRequest] = []
+
+    def submit(self, request: BatchRequest) -> None:
+        """Queue ``request``; it starts at a later :meth:`step` once a slot is free."""
+        if request.engine.runner is not self.runner:
+            raise SpeculumError("a batched request must use the batcher's runner")
+        self.waiting.append(request)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def step(self) -> None:
+        """Admit, prefill one chunk, decode one step for every prefilled request, retire."""
+        self._admit()
+        self._retire()
+        budget = self.prefill_chunk
+        for r in [r for r in self.running if not r.decoding.prefilled]:
+            if budget <= 0:
+                break
+            budget -= self._prefill(r, budget)
+        ready = [r for r in self.running if r.decoding.prefilled and r.decoding.reason is None]
+        if ready:
+            try:
+                news = step([r.decoding for r in ready], self.sizer)
+            except Exception as e:  # noqa: BLE001 - a failed forward fails the requests in it, not the loop
+                for r in ready:
+                    self._fail(r, e)
+                self._retire()
+                return
+            for r, new in zip(ready, news):
+                if new and r.on_tokens is not None:
+                    r.on_tokens(new)
+        self._retire()
+
+    def run(self, requests: Sequence[BatchRequest]) -> list[GenerationResult]:
+        """Submit ``requests``, step until all are done; their results in order (library use)."""
+        results: dict[int, GenerationResult] = {}
+        for i, r in enumerate(requests):
+            prev = r.on_done
+            r.on_done = (lambda res, i=i, prev=prev: (results.__setitem__(i, res), prev and prev(res)))
+            self.submit(r)
+        while not self.idle:
+            self.step()
+        return [results[i] for i in range(len(requests))]
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            r = self.waiting.popleft()
+            if r.cancelled:
+                continue
+            cache = self.pool.acquire()
+            try:
+                if self.prefix_cache is not None and hasattr(cache, "load"):
+                    entries = self.prefix_cache.lookup(r.tenant, r.prompt_ids)
+                    if entries is not None:
+                        cache.load(entries)
+                        r.reused = entries.shape[3]
+                drafter = r.engine.drafter.fork()
+                r.decoding = r.engine.start(r.prompt_ids, r.max_new_tokens, r.sampling, r.stop, r.seed, r.grammar,
+                                            cache=cache, drafter=drafter, prefill=False)
+            except Exception as e:  # noqa: BLE001 - reported to that request alone
+                self.pool.release(cache)
+                self._fail(r, e, started=False)
+                continue
+            if self.sizer is None:
+                self.sizer = r.engine.sizer
+            r.admitted_at = time.perf_counter()
+            self.running.append(r)
+
+    def _prefill(self, r: BatchRequest, budget: int) -> int:
+        """Prefill up to ``budget`` of ``r``'s prompt tokens; returns how many."""
+        d = r.decoding
+        before = d.to_prefill
+        try:
+            d.prefill_some(budget)
+        except Exception as e:  # noqa: BLE001 - reported to that request alone
+            self._fail(r, e)
+            return budget
+        if d.prefilled and self.prefix_cache is not None and hasattr(d.cache, "load"):
+            n = d.cache.length
+            self.prefix_cache.store(r.tenant, r.prompt_ids[:n], d.cache.kv[:, :, :, :n])
+        return before - d.to_prefill
+
+    def _fail(self, r: BatchRequest, e: Exception, started: bool = True) -> None:
+        if started and r.decoding is not None:
+            r.decoding.reason = r.decoding.reason or "error"
+        r.cancelled = True
+        if r.on_error is not None:
+            r.on_error(e)
+        else:
+            raise e
+
+    def _retire(self) -> None:
+        keep = []
+        for r in self.running:
+            d = r.decoding
+            if r.cancelled and d.reason is None:
+                d.cancel()
+            if d.reason is None:
+                keep.append(r)
+                continue
+            self.pool.release(d.cache)
+            if d.reason not in ("error",) and not r.cancelled:
+                result = d.finish()
+                if r.on_done is not None:
+                    r.on_done(result)
+        self.running = keep

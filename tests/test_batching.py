@@ -1,0 +1,158 @@
+"""Continuous batching is lossless: every request's greedy output equals its solo ``ar`` output
+(float32), whatever drafters share the batch and however requests join and leave; seeded sampling
+gives the solo text; unseeded sampling keeps the target's distribution (chi-square)."""
+
+import random
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, OracleDrafter, tiny_llama
+from test_sampling import PARAMS, PROMPT, VOCAB, RandomTreeDrafter, RejectionVerifier, chi2_pvalue, exact_joint
+
+from speculum.batching import Batcher, BatchRequest, PrefixCache
+from speculum.cache import SlotPool
+from speculum.drafters.ar import AutoregressiveDrafter
+from speculum.drafters.auto import AutoDrafter
+from speculum.drafters.ngram import NgramDrafter
+from speculum.drafters.recycling import RecyclingDrafter
+from speculum.drafters.suffix import SuffixDrafter
+from speculum.engine import Engine
+from speculum.runners import NativeRunner
+from speculum.tree import DraftTree
+
+
+def _prompts(n, seed, shared=()):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        base = [rng.randrange(TINY_VOCAB) for _ in range(rng.randint(1, 10))]
+        out.append(list(shared) + (base * rng.randint(1, 4))[: rng.randint(1, 40)])
+    return out
+
+
+def test_batched_forward_matches_solo_forwards(tiny_model):
+    runner = NativeRunner(tiny_model)
+    rng = random.Random(0)
+    pool = runner.new_pool(5, capacity=8)  # small: the pool grows during the test
+    for trial in range(6):
+        prompts = [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(rng.randint(2, 5))]
+        trees = []
+        for _ in prompts:
+            k = rng.randint(0, 6)
+            trees.append(DraftTree([rng.randrange(TINY_VOCAB) for _ in range(k)], [rng.randrange(i) - 1 if i else -1
+                                                                               for i in range(k)]))
+        caches = [pool.acquire() for _ in prompts]
+        solo = []
+        for p, t in zip(prompts, trees):
+            c = runner.new_cache(64)
+            runner.prefill(c, p[:-1])
+            solo.append(runner.forward(c, p[-1], t).logits)
+        for c, p in zip(caches, prompts):
+            runner.prefill(c, p[:-1])
+        if trial % 2:  # free a middle slot: the last sequence moves into it
+            victim = caches.pop(1)
+            pool.release(victim)
+            del solo[1], prompts[1], trees[1]
+        order = list(range(len(caches)))
+        rng.shuffle(order)  # entries in any slot order
+        caches, prompts, trees, solo = ([x[i] for i in order] for x in (caches, prompts, trees, solo))
+        out = runner.forward_batch(caches, [p[-1] for p in prompts], trees)
+        for a, b in zip(solo, out):
+            torch.testing.assert_close(b.logits, a, rtol=1e-4, atol=1e-4)
+        for c in caches:
+            pool.release(c)
+        assert pool.used == 0
+
+
+def test_slot_pool_release_keeps_slots_compact():
+    pool = SlotPool(1, 1, 2, torch.float32, "cpu", slots=3, capacity=4)
+    a, b, c = pool.acquire(), pool.acquire(), pool.acquire()
+    c.kv[:, :, :, :2] = 7.0
+    c.length = 2
+    with pytest.raises(RuntimeError, match="in use"):
+        pool.acquire()
+    pool.release(b)
+    assert (a.slot, c.slot) == (0, 1) and float(c.kv[:, :, :, :2].min()) == 7.0
+    assert pool.acquire().slot == 2
+
+
+def _drafters(seed):
+    return {"ar": AutoregressiveDrafter(), "ngram": NgramDrafter(max_draft=8), "suffix": SuffixDrafter(),
+            "recycling": RecyclingDrafter(), "auto": AutoDrafter()}
+
+
+@pytest.mark.parametrize("max_batch", [3, 8])
+def test_batch_greedy_equals_solo_ar_for_every_drafter(tiny_model, max_batch):
+    """Requests of every drafter share batches; fewer slots than requests, and different lengths,
+    so that requests join and leave mid-way. Half of them share a prefix (the prefix cache)."""
+    runner = NativeRunner(tiny_model)
+    ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
+    engines = {name: Engine(runner, d, eos_token_ids=[], max_tree=12) for name, d in _drafters(0).items()}
+    shared = [random.Random(5).randrange(TINY_VOCAB) for _ in range(40)]
+    prompts = _prompts(10, 1) + _prompts(10, 2, shared)
+    rng = random.Random(max_batch)
+    reqs, want = [], []
+    for i, p in enumerate(prompts):
+        n = rng.randint(5, 40)
+        want.append(ar.generate(p, n).tokens)
+        name = list(engines)[i % len(engines)]
+        reqs.append(BatchRequest(engines[name], p, n))
+    # an oracle tree drafter (random siblings around the true path) for the deepest trees
+    for i, p in enumerate(prompts[:4]):
+        ref = ar.generate(p, 30).tokens
+        oracle = Engine(runner, OracleDrafter(p + ref, TINY_VOCAB, max_len=10, shape="tree", seed=i),
+                        eos_token_ids=[], max_tree=24)
+        reqs.append(BatchRequest(oracle, p, 30))
+        want.append(ref)
+    cache = PrefixCache(min_tokens=8)
+    batcher = Batcher(runner, max_batch=max_batch, prefill_chunk=16, prefix_cache=cache)
+    got = [r.tokens for r in batcher.run(reqs)]
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"request {i}"
+    assert cache.hits > 0 and batcher.pool.used == 0
+
+
+def test_default_model_batch_equals_solo(smollm2_f32):
+    model, tok = smollm2_f32
+    import speculum
+
+    runner = NativeRunner(model)
+    ar = Engine(runner, AutoregressiveDrafter(), tok)
+    auto = Engine(runner, AutoDrafter(), tok)
+    ngram = Engine(runner, NgramDrafter(), tok)
+    system = "You are a careful assistant. Answer briefly and exactly. " * 3
+    texts = [system + q for q in ("Name three rivers in Europe.", "What is 12 times 12?",
+                                  "Repeat: the cat sat on the mat, the cat sat on the mat.")] + ["Write a haiku."]
+    prompts = [speculum.encode_prompt(tok, t) for t in texts]
+    want = [ar.generate(p, 40).tokens for p in prompts]
+    batcher = Batcher(runner, max_batch=3, prefill_chunk=32, prefix_cache=PrefixCache(min_tokens=16))
+    reqs = [BatchRequest(auto if i % 2 else ngram, p, 40) for i, p in enumerate(prompts)]
+    assert [r.tokens for r in batcher.run(reqs)] == want
+    assert batcher.prefix_cache.hits >= 1
+
+
+def test_batch_seeded_sampling_equals_solo():
+    model = tiny_llama(seed=3, vocab=VOCAB, logit_scale=8.0)
+    runner = NativeRunner(model)
+    ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
+    tree = Engine(runner, RandomTreeDrafter(seed=2), eos_token_ids=[])
+    want = [ar.generate(PROMPT, 16, PARAMS, seed=s).tokens for s in range(12)]
+    batcher = Batcher(runner, max_batch=5)
+    got = batcher.run([BatchRequest(tree if s % 2 else ar, PROMPT, 16, PARAMS, seed=s) for s in range(12)])
+    assert [r.tokens for r in got] == want
+
+
+def test_batch_sampling_keeps_the_target_distribution():
+    """Unseeded rejection sampling over random trees, eight requests per forward."""
+    model = tiny_llama(seed=3, vocab=VOCAB, logit_scale=8.0)
+    runner = NativeRunner(model)
+    engine = Engine(runner, RandomTreeDrafter(seed=7), eos_token_ids=[], verifier_cls=RejectionVerifier)
+    torch.manual_seed(0)
+    n = 6000
+    batcher = Batcher(runner, max_batch=8)
+    results = batcher.run([BatchRequest(engine, PROMPT, 2, PARAMS) for _ in range(n)])
+    from collections import Counter
+
+    counts = Counter(tuple(r.tokens) for r in results)
+    p = chi2_pvalue(counts, exact_joint(model), n)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
