@@ -25,14 +25,18 @@ from pathlib import Path
 import torch
 
 from .models import cache_dir, write_atomic
+from .runners import RunnerBase
 from .tree import DraftTree
 from .tree_sizing import CostModel, best_size
 from .verify import greedy_tokens
 
 TOKEN_COUNTS = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
 CONTEXTS = [64, 512, 2048]
+BATCH_SIZES = [1, 2, 4, 8, 16]  # sequences in one batched forward
+BATCH_ROWS = [1, 2, 4, 8]  # rows per sequence in it
+BATCH_CONTEXT = 256  # cached entries per sequence while the batch is timed
 REPEATS = 5
-FORMAT = 2  # bump when what is measured changes, so that stale cached curves are not reused
+FORMAT = 3  # bump when what is measured changes, so that stale cached curves are not reused
 
 # a reference acceptance profile for reporting the budget a cost curve implies: the scores of a
 # tree whose best nodes are accepted with probability 0.8, 0.7, ... decaying geometrically
@@ -93,7 +97,58 @@ def measure(runner, token_counts=TOKEN_COUNTS, contexts=None, repeats: int = REP
         seconds.append([statistics.median(times[n]) for n in token_counts])
     if bar is not None:
         bar.close()
-    return CostModel(list(token_counts), contexts, seconds)
+    cost = CostModel(list(token_counts), contexts, seconds)
+    if hasattr(runner, "new_pool") and type(runner).new_pool is not RunnerBase.new_pool:
+        cost.sequences, cost.rows, cost.batch_context = list(BATCH_SIZES), list(BATCH_ROWS), BATCH_CONTEXT
+        cost.batch_seconds = measure_batches(runner, rng, vocab, repeats, progress)
+    return cost
+
+
+def measure_batches(runner, rng: random.Random, vocab: int, repeats: int = REPEATS,
+                    progress: bool = False) -> list[list[float]]:
+    """``[len(BATCH_SIZES)][len(BATCH_ROWS)]`` median seconds of one batched forward over ``B``
+    sequences of ``BATCH_CONTEXT`` cached entries each, every one with a chain of ``r`` rows."""
+    ctx = min(BATCH_CONTEXT, runner.max_positions - max(BATCH_ROWS) - 1)
+    pool = runner.new_pool(max(BATCH_SIZES), ctx + max(BATCH_ROWS) + 1)
+    caches = [pool.acquire() for _ in range(max(BATCH_SIZES))]
+    for c in caches:
+        runner.prefill(c, [rng.randrange(vocab) for _ in range(ctx)])
+    times = {(b, r): [] for b in BATCH_SIZES for r in BATCH_ROWS}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(times) * (repeats + 1), desc="calibrating batches", unit="fwd")
+    for rep in range(repeats + 1):  # repetition 0 is the warm-up
+        for (b, r), spent in times.items():
+            trees = [DraftTree.chain([rng.randrange(vocab) for _ in range(r - 1)]) for _ in range(b)]
+            roots = [rng.randrange(vocab) for _ in range(b)]
+            t0 = time.perf_counter()
+            out = runner.forward_batch(caches[:b], roots, trees)
+            greedy_tokens(out[-1].logits)
+            if rep:
+                spent.append(time.perf_counter() - t0)
+            for c in caches[:b]:
+                c.pending = 0
+            if bar is not None:
+                bar.update()
+    if bar is not None:
+        bar.close()
+    for c in caches:
+        pool.release(c)
+    return [[statistics.median(times[b, r]) for r in BATCH_ROWS] for b in BATCH_SIZES]
+
+
+def default_max_batch(cost: CostModel, slowdown: float = 3.0, limit: int = 16) -> int:
+    """The most sequences (up to ``limit``) one forward may serve while a step costs at most
+    ``slowdown`` times a single sequence's: throughput grows with the batch, and this bounds what
+    each user's tokens cost in latency. 1 where the batched forward was not measured."""
+    if not cost.sequences:
+        return 1
+    one = cost.batch_cost(1, 1, cost.batch_context)
+    fits = [b for b in cost.sequences
+            if b <= limit and cost.batch_cost(b, b, b * cost.batch_context) <= slowdown * one]
+    return max(fits, default=1)
 
 
 def _path(key: str):
@@ -142,6 +197,15 @@ def report_text(curves: dict[str, CostModel]) -> str:
             lines.append(f"| {ctx} | " + " | ".join(f"{1000 * s:.1f}" for s in row)
                          + f" | {best_size(REFERENCE_SCORES, cost, ctx)} |")
         lines.append("")
+        if cost.sequences:
+            lines += [(f"{label}: batched forward time in ms, {cost.batch_context} cached entries per sequence "
+                       f"(rows: sequences; columns: rows per sequence); default --max-batch "
+                       f"{default_max_batch(cost)}"), "",
+                      "| sequences | " + " | ".join(str(r) for r in cost.rows) + " |",
+                      "|---:|" + "---:|" * len(cost.rows)]
+            for b, row in zip(cost.sequences, cost.batch_seconds):
+                lines.append(f"| {b} | " + " | ".join(f"{1000 * x:.1f}" for x in row) + " |")
+            lines.append("")
     lines.append("tree budget: nodes kept for a reference tree whose i-th best node is accepted with "
                  "probability 0.8 * 0.93^i (the sizer uses each drafter's learnt scores instead).")
     return "\n".join(lines) + "\n"

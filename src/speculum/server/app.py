@@ -28,6 +28,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..batching import Batcher, PrefixCache
+from ..calibrate import default_max_batch, load_or_measure
 from ..constrain import Grammar, compile_constraint, ll_tokenizer, pick_constraint
 from ..engine import default_eos_ids
 from ..errors import SpeculumError
@@ -67,11 +69,19 @@ class ServerState:
     trees are verified (float32 output then repeats in practice: its rounding differences hardly
     ever change a token). True: on, with every step padded to a fixed row count where the kernels
     have no floors (slow); False: off.
+
+    **Batching**: up to ``max_batch`` requests decode together, one forward per step
+    (:class:`~speculum.batching.Batcher`); None picks it from the runner's calibration
+    (:func:`~speculum.calibrate.default_max_batch`). Prompts that start like a recent prompt of the
+    same tenant reuse its KV entries (``prefix_cache_mb`` of them at most; 0 turns reuse off). In
+    the reproducible mode a request's output does not depend on its batch where the batched
+    kernels keep each row's numbers (tested for bfloat16 on oneDNN; see BENCHMARKS.md).
     """
 
     def __init__(self, model, tokenizer, model_name: str, method: str = "auto", max_queue: int = 16,
                  max_tree: int = 64, limits: RequestLimits | None = None, share_drafter_state: bool = False,
-                 max_tenants: int = 64, deterministic: bool | None = None):
+                 max_tenants: int = 64, deterministic: bool | None = None, max_batch: int | None = None,
+                 prefix_cache_mb: int = 256):
         if method not in SERVABLE_METHODS:
             raise SpeculumError(f"unknown method {method!r}; choose from {', '.join(SERVABLE_METHODS)}")
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
@@ -104,7 +114,14 @@ class ServerState:
         # grammars compile on their own threads: a compilation past its timeout cannot be stopped,
         # and must not hold up the parsing and tokenizing of other requests meanwhile
         self.compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculum-compile")
-        self.worker = Worker(self.get_method, self.metrics, max_queue)
+        if max_batch is None:
+            max_batch = default_max_batch(load_or_measure(self.runner))
+        if max_batch < 1:
+            raise SpeculumError(f"max_batch must be at least 1, got {max_batch}")
+        self.max_batch = max_batch
+        self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
+        batcher = Batcher(self.runner, max_batch, prefix_cache=self.prefix_cache)
+        self.worker = Worker(self.get_method, self.metrics, batcher, max_queue)
         self.created = int(time.time())
 
     def tenant(self, api_key_index: int | None, cache_salt: str | None) -> str:

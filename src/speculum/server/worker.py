@@ -1,11 +1,13 @@
-"""One generation thread behind a bounded queue.
+"""One generation thread behind a bounded queue, decoding up to ``max_batch`` requests at once.
 
-The model runs one request at a time on one thread (on a 2-core CPU a second concurrent forward
-only slows both). HTTP handlers submit :class:`Job` s; the worker streams each job's tokens back
-to the handler's event loop. A job whose client went away is cancelled between two decoding
-steps; a queued one gives its queue slot back at once (:meth:`Worker.cancel`) and is skipped.
-When ``max_queue`` jobs are already waiting, :meth:`submit` refuses the new one, and the server
-answers 429.
+The model runs on one thread (on a 2-core CPU two concurrent forwards only slow each other); that
+thread runs a :class:`~speculum.batching.Batcher`, which decodes every running request in one
+forward per step (continuous batching: requests join and leave between steps). HTTP handlers
+submit :class:`Job` s; the worker streams each job's tokens back to the handler's event loop. A
+job whose client went away is cancelled between two steps; a queued one gives its queue slot back
+at once (:meth:`Worker.cancel`) and is skipped. Jobs wait in the queue while ``max_batch`` are
+running; when ``max_queue`` are already waiting, :meth:`submit` refuses the new one, and the
+server answers 429.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ..batching import Batcher, BatchRequest
 from ..constrain import Grammar
 from ..engine import GenerationResult
 from ..errors import SpeculumError
@@ -60,11 +63,12 @@ class QueueFull(Exception):
 
 
 class Worker:
-    """Runs jobs one at a time on the methods ``get_method(name, tenant)`` returns
-    (:class:`~speculum.methods.EngineMethod`, built on demand)."""
+    """Runs jobs on the methods ``get_method(name, tenant)`` returns
+    (:class:`~speculum.methods.EngineMethod`, built on demand), through ``batcher``."""
 
-    def __init__(self, get_method, metrics: Metrics, max_queue: int = 16):
+    def __init__(self, get_method, metrics: Metrics, batcher: Batcher, max_queue: int = 16):
         self.get_method, self.metrics, self.max_queue = get_method, metrics, max_queue
+        self.batcher = batcher
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._waiting = 0
@@ -75,9 +79,10 @@ class Worker:
     def submit(self, job: Job) -> None:
         with self._lock:
             if self._waiting >= self.max_queue:
+                per_slot = self._mean_request_s / self.batcher.max_batch
                 raise QueueFull(f"the server is busy: {self._waiting} requests are already waiting "
                                 f"(--max-queue {self.max_queue}); retry later",
-                                max(1, round(self._waiting * self._mean_request_s)))
+                                max(1, round(self._waiting * per_slot)))
             self._waiting += 1
             job.queued = True
             self.metrics.waiting.set(self._waiting)
@@ -101,49 +106,72 @@ class Worker:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        b = self.batcher
+        running: dict[int, tuple[Job, BatchRequest]] = {}
         while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            with self._lock:
-                self._release(job)
-            if job.cancelled.is_set():
-                self.metrics.cancelled.inc()
-                job.emit("cancelled", None)
-                continue
-            self.metrics.running.set(1)
-            try:
-                self._generate(job)
-            except SpeculumError as e:
-                job.emit("error", e)
-            except Exception as e:  # a bug must not kill the worker thread
-                log.exception("generation failed")
-                job.emit("error", e)
-            finally:
-                self.metrics.running.set(0)
-
-    def _generate(self, job: Job) -> None:
-        job.started = time.perf_counter()
-        method = self.get_method(job.method, job.tenant)
-        it = method.engine.stream(job.prompt_ids, job.max_tokens, job.sampling, job.stop, job.seed, job.grammar)
-        try:
-            while True:
+            # take jobs while a slot is free; block only when nothing runs
+            while len(running) < b.max_batch:
+                try:
+                    job = self._queue.get(block=not running)
+                except queue.Empty:
+                    break
+                if job is None:
+                    return
+                with self._lock:
+                    self._release(job)
                 if job.cancelled.is_set():
                     self.metrics.cancelled.inc()
                     job.emit("cancelled", None)
-                    return
+                    continue
+                req = self._request(job, running)
+                if req is not None:
+                    running[id(job)] = (job, req)
+                    b.submit(req)
+            for job, req in list(running.values()):
+                if job.cancelled.is_set() and not req.cancelled:
+                    req.cancelled = True
+                    running.pop(id(job))
+                    self.metrics.cancelled.inc()
+                    job.emit("cancelled", None)
+            if running:
                 try:
-                    chunk = next(it)
-                except StopIteration as done:
-                    result: GenerationResult = done.value
-                    break
-                if job.first_token is None:
-                    job.first_token = time.perf_counter()
-                job.emit("tokens", chunk)
-        finally:
-            it.close()
-        end = time.perf_counter()
-        ttft = job.first_token - job.submitted if job.first_token is not None else None
-        self.metrics.record(job.method, result, ttft, job.started - job.submitted, end - job.submitted)
-        self._mean_request_s = 0.8 * self._mean_request_s + 0.2 * (end - job.started)
-        job.emit("done", result)
+                    b.step()
+                except Exception as e:
+                    log.exception("generation failed")
+                    for job, req in running.values():
+                        req.cancelled = True
+                        job.emit("error", e)
+                    running.clear()
+                    b.step()  # retire the failed requests (frees their slots)
+            self.metrics.running.set(len(b.running))
+
+    def _request(self, job: Job, running: dict) -> BatchRequest | None:
+        """The batcher's request for ``job``, its callbacks streaming to the job's client."""
+        try:
+            method = self.get_method(job.method, job.tenant)
+        except SpeculumError as e:
+            job.emit("error", e)
+            return None
+        job.started = time.perf_counter()
+
+        def on_tokens(chunk: list[int]) -> None:
+            if job.first_token is None:
+                job.first_token = time.perf_counter()
+            job.emit("tokens", chunk)
+
+        def on_done(result: GenerationResult) -> None:
+            running.pop(id(job), None)
+            end = time.perf_counter()
+            ttft = job.first_token - job.submitted if job.first_token is not None else None
+            self.metrics.record(job.method, result, ttft, job.started - job.submitted, end - job.submitted)
+            self._mean_request_s = 0.8 * self._mean_request_s + 0.2 * (end - job.started)
+            job.emit("done", result)
+
+        def on_error(e: Exception) -> None:
+            running.pop(id(job), None)
+            if not isinstance(e, SpeculumError):
+                log.error("generation failed", exc_info=e)
+            job.emit("error", e)
+
+        return BatchRequest(method.engine, job.prompt_ids, job.max_tokens, job.sampling, job.stop, job.seed,
+                            job.grammar, job.tenant, on_tokens, on_done, on_error)
