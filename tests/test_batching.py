@@ -110,6 +110,10 @@ def test_batch_greedy_equals_solo_ar_for_every_drafter(tiny_model, max_batch):
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"request {i}"
     assert cache.hits > 0 and batcher.pool.used == 0
+    # the same prompts again: now every prompt's entries come from the cache, some whole
+    again = [BatchRequest(r.engine, r.prompt_ids, r.max_new_tokens) for r in reqs[:len(prompts)]]
+    assert [r.tokens for r in batcher.run(again)] == want[:len(prompts)]
+    assert any(r.reused == len(r.prompt_ids) - 1 for r in again)
 
 
 def test_default_model_batch_equals_solo(smollm2_f32):

@@ -31,7 +31,7 @@ PERSON = {"type": "object",
 @pytest.fixture(scope="module")
 def server(smollm2_f32):
     model, tok = smollm2_f32
-    state = ServerState(model, tok, "smollm2", method="ngram", max_queue=16)
+    state = ServerState(model, tok, "smollm2", method="ngram", max_queue=16, max_batch=4)
     srv, thread, port = serve_in_thread(create_app(state))
     yield state, f"http://127.0.0.1:{port}"
     srv.should_exit = True

@@ -31,10 +31,10 @@ ORIGIN = "https://app.example"
 @pytest.fixture(scope="module")
 def server(smollm2_f32):
     """A server as ``speculum serve --api-key key-alpha --api-key key-beta --allowed-origins
-    https://app.example --max-queue 1 --max-prompt-tokens 1000 --max-request-bytes 1048576`` would
+    https://app.example --max-queue 1 --max-batch 1 --max-prompt-tokens 1000 --max-request-bytes 1048576`` would
     start it."""
     model, tok = smollm2_f32
-    state = ServerState(model, tok, "smollm2", method="ngram", max_queue=1,
+    state = ServerState(model, tok, "smollm2", method="ngram", max_queue=1, max_batch=1,
                         limits=RequestLimits(compile_timeout_s=10.0, max_prompt_tokens=1000))
     guard = GuardSettings(api_keys=KEYS, allowed_hosts=GuardSettings.hosts_for("127.0.0.1"), max_body_bytes=1 << 20)
     srv, thread, port = serve_in_thread(create_app(state, guard, (ORIGIN,)))

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 from .errors import SpeculumError
 from .methods import ENGINE_METHODS, HF_METHODS, METHODS
@@ -93,16 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--data", default=None,
                    help="Spec-Bench JSONL file (default: the small prompt set bundled with speculum)")
     b.add_argument("--per-task", type=int, default=None, help="first N prompts of each task (default: all)")
-    b.add_argument("--max-new-tokens", type=int, default=128, help="(default: %(default)s)")
+    b.add_argument("--max-new-tokens", "--max-tokens", type=int, default=None,
+                   help="(default: 128; 64 for --workload serving)")
     b.add_argument("--methods", default=None,
                    help=f"comma-separated subset of {', '.join(METHODS)} (default: {DEFAULT_BENCH_METHODS}; "
                         f"{DEFAULT_STRUCTURED_METHODS} for --workload structured)")
     b.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
     b.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    b.add_argument("--workload", choices=["specbench", "repeated", "structured"], default="specbench",
+    b.add_argument("--workload", choices=["specbench", "repeated", "structured", "serving"], default="specbench",
                    help="specbench: each prompt of --data once (default); repeated: a bundled set of "
                         "code-editing and agent-style requests replayed --rounds times, reported per round; "
-                        "structured: JSON schemas from --schemas, each method constrained and unconstrained")
+                        "structured: JSON schemas from --schemas, each method constrained and unconstrained; "
+                        "serving: concurrent clients against a live server (speculum serve started here, or --url)")
     b.add_argument("--schemas", default=None,
                    help="JSONSchemaBench-format JSONL ({id, dataset, schema} per line) for --workload structured")
     b.add_argument("--n-schemas", type=int, default=30,
@@ -113,6 +116,22 @@ def build_parser() -> argparse.ArgumentParser:
                         "the grammar's shortest completion ends the output (finish reason 'closed'). N >= "
                         "--max-new-tokens checks every token (default: %(default)s)")
     b.add_argument("--rounds", type=int, default=3, help="rounds of the repeated workload (default: %(default)s)")
+    sv = b.add_argument_group("serving workload")
+    sv.add_argument("--concurrency", default="1,4,8,16",
+                    help="comma-separated numbers of concurrent clients (default: %(default)s)")
+    sv.add_argument("--requests", type=int, default=32, help="requests per concurrency level (default: %(default)s)")
+    sv.add_argument("--url", default=None,
+                    help="drive this OpenAI-compatible server (e.g. http://127.0.0.1:8000/v1; --model is the model "
+                         "name it serves) instead of starting speculum serve with --model, --dtype and the first "
+                         "of --methods")
+    sv.add_argument("--max-batch", type=int, default=None, help="speculum serve's --max-batch (default: its own)")
+    sv.add_argument("--system-tokens", type=int, default=1000,
+                    help="size of the shared system prompt of the prefix-reuse part (0: skip it; default: "
+                         "%(default)s)")
+    sv.add_argument("--label", default=None, help="this run's name in the table (default: the server and method)")
+    sv.add_argument("--include", default=None, metavar="DIR1,DIR2",
+                    help="other serving runs' output folders (e.g. vLLM's, benchmarks/vllm_serving.py) to put in "
+                         "the same table and plot")
     _add_model_args(b)
 
     c = sub.add_parser("calibrate", help="measure the forward cost curve that sizes draft trees",
@@ -328,6 +347,10 @@ def cmd_bench(args) -> int:
     from .bench.report import markdown_table
     from .models import parse_dtype
 
+    if args.workload == "serving":
+        return _bench_serving(args)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 128
     if args.methods is None:
         args.methods = DEFAULT_STRUCTURED_METHODS if args.workload == "structured" else DEFAULT_BENCH_METHODS
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -363,6 +386,55 @@ def cmd_bench(args) -> int:
     out = write_outputs(args.out, results, records, meta)
     print(markdown_table({**meta, **results}))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'speedup.png'}")
+    return 0
+
+
+def _bench_serving(args) -> int:
+    """``bench --workload serving``: see :mod:`speculum.bench.serving`."""
+    import torch
+
+    from .bench.data import demo_prompts_path, load_prompts
+    from .bench.harness import machine_info, versions
+    from .bench.serving import LocalServer, run_serving, write_serving
+
+    try:
+        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    except ValueError:
+        raise SpeculumError("--concurrency takes comma-separated integers, e.g. 1,4,8,16") from None
+    if not levels or min(levels) < 1 or max(levels) > 256:
+        raise SpeculumError("--concurrency levels must lie in 1..256")
+    if args.requests < 1:
+        raise SpeculumError("--requests must be at least 1")
+    max_tokens = args.max_new_tokens or 64
+    if max_tokens < 1:
+        raise SpeculumError("--max-new-tokens must be at least 1")
+    if args.system_tokens < 0:
+        raise SpeculumError("--system-tokens must be >= 0")
+    method = (args.methods or "auto").split(",")[0].strip()
+    if args.url is None and method not in ENGINE_METHODS:
+        raise SpeculumError(f"the serving workload serves one engine method; choose from {', '.join(ENGINE_METHODS)}")
+    prompts = load_prompts(args.data or demo_prompts_path(), args.per_task)
+    include = [x.strip() for x in (args.include or "").split(",") if x.strip()]
+    meta = {"machine": machine_info(torch.device("cpu")), "versions": versions(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "settings": {"concurrency": levels, "requests": args.requests, "max_tokens": max_tokens,
+                         "model": args.model, "dtype": args.dtype, "method": method, "url": args.url,
+                         "max_batch": args.max_batch, "system_tokens": args.system_tokens}}
+    if args.url is not None:
+        label = args.label or args.url
+        run = run_serving(args.url, args.model, prompts, levels, args.requests, max_tokens, args.system_tokens,
+                          progress=not args.no_progress)
+    else:
+        serve = ["--model", args.model, "--dtype", args.dtype, "--method", method,
+                 "--max-queue", str(max(levels) * 2)]
+        if args.max_batch is not None:
+            serve += ["--max-batch", str(args.max_batch)]
+        label = args.label or f"speculum {method}" + (f" (max-batch {args.max_batch})" if args.max_batch else "")
+        with LocalServer(serve) as server:
+            run = run_serving(server.url, args.model, prompts, levels, args.requests, max_tokens,
+                              args.system_tokens, progress=not args.no_progress)
+    text, out = write_serving(args.out, label, run, meta, include)
+    print(text)
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'serving.png'}")
     return 0
 
 

@@ -197,7 +197,8 @@ class Decoding:
 
     @property
     def prefilled(self) -> bool:
-        return self.to_prefill == 0
+        """The prompt is in the cache and the drafter has started: the decoding can step."""
+        return self.started
 
     def prefill_some(self, limit: int, query_start: int | None = None) -> None:
         """Commit up to ``limit`` more prompt tokens to the cache; once all are in, the drafter starts."""

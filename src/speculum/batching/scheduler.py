@@ -89,7 +89,7 @@ class Batcher:
         self._retire()
         budget = self.prefill_chunk
         for r in [r for r in self.running if not r.decoding.prefilled]:
-            if budget <= 0:
+            if budget <= 0 and r.decoding.to_prefill:
                 break
             budget -= self._prefill(r, budget)
         ready = [r for r in self.running if r.decoding.prefilled and r.decoding.reason is None]
@@ -150,7 +150,7 @@ class Batcher:
         except Exception as e:  # noqa: BLE001 - reported to that request alone
             self._fail(r, e)
             return budget
-        if d.prefilled and self.prefix_cache is not None and hasattr(d.cache, "load"):
+        if d.prefilled and before and self.prefix_cache is not None and hasattr(d.cache, "load"):
             n = d.cache.length
             self.prefix_cache.store(r.tenant, r.prompt_ids[:n], d.cache.kv[:, :, :, :n])
         return before - d.to_prefill
