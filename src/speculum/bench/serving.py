@@ -4,7 +4,8 @@
 ``--url``: vLLM's, say) with the official ``openai`` client. For each concurrency ``c`` it sends
 ``requests`` chat requests from ``c`` threads (each takes the next prompt as soon as its previous
 answer ends), all streamed at temperature 0, after one warm-up request. Prompts are Spec-Bench's,
-mixed across tasks; every other one carries a common system prompt (what prefix caching is for).
+in one fixed shuffled order (tasks mixed); every other one carries a common system prompt (what
+prefix caching is for).
 
 Reported per concurrency: total generated tokens per second (all tokens over the wall time),
 time to first token and time per output token after it (p50, p99), errors. A second part,
@@ -18,6 +19,7 @@ differ in their question: the first pays the whole prefill, the later ones reuse
 from __future__ import annotations
 
 import json
+import random
 import socket
 import statistics
 import subprocess
@@ -168,6 +170,8 @@ def run_serving(url: str, model: str, prompts: list[Prompt], levels: list[int], 
     import openai
 
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+    prompts = list(prompts)
+    random.Random(0).shuffle(prompts)  # every level a mix of tasks, the same mix for every server
     warm = _one(client, model, _messages(prompts[0], 1), max_tokens)
     if not warm["ok"]:
         raise SpeculumError(f"the warm-up request failed: {warm['error']}")

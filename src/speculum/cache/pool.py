@@ -121,6 +121,7 @@ class SlotCache(KVCache):
         kv = self.kv
         kv[:, :, :, dst:dst + src.shape[0]] = kv.index_select(3, src)
 
+    @torch.inference_mode()
     def load(self, entries: torch.Tensor) -> None:
         """Commit ``entries [layers, 2, H_kv, m, d]`` (a stored prefix's keys and values) as slots
         ``0 .. m-1`` of an empty cache."""

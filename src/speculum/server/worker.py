@@ -110,7 +110,7 @@ class Worker:
         running: dict[int, tuple[Job, BatchRequest]] = {}
         while True:
             # take jobs while a slot is free; block only when nothing runs
-            while len(running) < b.max_batch:
+            while len(running) < b.max_batch and not (running and self._queue.empty()):
                 try:
                     job = self._queue.get(block=not running)
                 except queue.Empty:
