@@ -3,11 +3,20 @@
 gives the solo text; unseeded sampling keeps the target's distribution (chi-square)."""
 
 import random
+from collections import Counter
 
 import pytest
 import torch
 from conftest import TINY_VOCAB, OracleDrafter, tiny_llama
-from test_sampling import PARAMS, PROMPT, VOCAB, RandomTreeDrafter, RejectionVerifier, chi2_pvalue, exact_joint
+from test_sampling import (
+    PARAMS,
+    PROMPT,
+    VOCAB,
+    RandomTreeDrafter,
+    RejectionVerifier,
+    chi2_pvalue,
+    exact_joint,
+)
 
 from speculum.batching import Batcher, BatchRequest, PrefixCache
 from speculum.cache import SlotPool
@@ -76,7 +85,7 @@ def test_slot_pool_release_keeps_slots_compact():
     assert pool.acquire().slot == 2
 
 
-def _drafters(seed):
+def _drafters():
     return {"ar": AutoregressiveDrafter(), "ngram": NgramDrafter(max_draft=8), "suffix": SuffixDrafter(),
             "recycling": RecyclingDrafter(), "auto": AutoDrafter()}
 
@@ -87,7 +96,7 @@ def test_batch_greedy_equals_solo_ar_for_every_drafter(tiny_model, max_batch):
     so that requests join and leave mid-way. Half of them share a prefix (the prefix cache)."""
     runner = NativeRunner(tiny_model)
     ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
-    engines = {name: Engine(runner, d, eos_token_ids=[], max_tree=12) for name, d in _drafters(0).items()}
+    engines = {name: Engine(runner, d, eos_token_ids=[], max_tree=12) for name, d in _drafters().items()}
     shared = [random.Random(5).randrange(TINY_VOCAB) for _ in range(40)]
     prompts = _prompts(10, 1) + _prompts(10, 2, shared)
     rng = random.Random(max_batch)
@@ -155,8 +164,6 @@ def test_batch_sampling_keeps_the_target_distribution():
     n = 6000
     batcher = Batcher(runner, max_batch=8)
     results = batcher.run([BatchRequest(engine, PROMPT, 2, PARAMS) for _ in range(n)])
-    from collections import Counter
-
     counts = Counter(tuple(r.tokens) for r in results)
     p = chi2_pvalue(counts, exact_joint(model), n)
     assert p > 1e-3, f"chi-square p = {p:.2e}"

@@ -28,6 +28,12 @@ def _err(capsys, argv):
     (["bench", "--methods", "ar,warp"], "unknown method"),
     (["bench", "--data", "/nonexistent.jsonl"], "does not exist"),
     (["generate", "--prompt", "hi", "--method", "draft_model"], "needs a draft model"),
+    (["bench", "--workload", "serving", "--concurrency", "0,4"], "--concurrency levels"),
+    (["bench", "--workload", "serving", "--concurrency", "four"], "comma-separated integers"),
+    (["bench", "--workload", "serving", "--requests", "0"], "--requests"),
+    (["bench", "--workload", "serving", "--methods", "hf_pld"], "one engine method"),
+    (["serve", "--max-batch", "0"], "--max-batch"),
+    (["serve", "--prefix-cache-mb", "-1"], "--prefix-cache-mb"),
 ])
 def test_user_errors_are_one_line(capsys, argv, needle):
     assert needle in _err(capsys, argv)

@@ -241,3 +241,22 @@ def test_spec_decode_metrics_per_method(server, client):
     lines = [x for x in text.splitlines() if x.startswith("speculum:spec_decode_num_draft_tokens_total{")]
     assert any('method="ngram"' in x and float(x.split()[-1]) > 0 for x in lines)
     assert 'speculum:spec_decode_num_accepted_tokens_per_pos_total{method="ngram",position="1"}' in text
+
+
+def test_serving_benchmark_drives_the_server(server, tmp_path):
+    """``bench --workload serving``'s load generator against this server: every request answered,
+    the shared system prompt's entries reused, and the table and plot written."""
+    from speculum.bench.data import demo_prompts_path, load_prompts
+    from speculum.bench.serving import run_serving, write_serving
+
+    state, url = server
+    hits = state.prefix_cache.hits
+    run = run_serving(url + "/v1", "smollm2", load_prompts(demo_prompts_path()), [1, 3], requests=4,
+                      max_tokens=8, system_tokens=300, prefix_requests=3, progress=False)
+    assert [r["concurrency"] for r in run["rows"]] == [1, 3]
+    assert all(r["errors"] == 0 and r["tokens"] > 0 and r["tok_s"] > 0 for r in run["rows"])
+    assert run["shared_prefix"]["requests"] == 3 and run["shared_prefix"]["prompt_tokens"][0] > 300
+    assert state.prefix_cache.hits >= hits + 2  # the later shared-prefix requests reused the first's entries
+    text, out = write_serving(tmp_path, "speculum ngram", run, {"settings": {}})
+    assert "| speculum ngram | 3 | 4 |" in text
+    assert (out / "serving.png").stat().st_size > 0 and (out / "results.json").exists()

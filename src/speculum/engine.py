@@ -206,8 +206,8 @@ class Decoding:
             t = time.perf_counter()
             at = self.cache.length
             take = self.prompt[at:at + min(limit, self.to_prefill)]
-            if query_start is not None:  # a KV policy's context / question split needs the whole prompt
-                take = self.prompt[at:len(self.prompt) - 1]
+            if query_start is not None or not getattr(self.runner, "chunked_prefill", True):
+                take = self.prompt[at:len(self.prompt) - 1]  # a KV policy's prefill takes the whole prompt
             self.runner.prefill(self.cache, take, query_start=query_start)
             self.to_prefill -= len(take)
             self.prefill_s += time.perf_counter() - t

@@ -84,6 +84,7 @@ class RunnerBase:
 
     num_layers: int
     prefill_chunk: int = 256
+    chunked_prefill: bool = True  # prefill may be called again with the next part of a prompt
     device: torch.device
     max_positions: int
 

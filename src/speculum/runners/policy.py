@@ -34,8 +34,11 @@ class PolicyRunner(RunnerBase):
     """Runs a model under a KV policy (one policy object serves many requests; state lives in the cache).
 
     Shares the weights of ``runner`` (a :class:`NativeRunner`: the policies need the native decoder's
-    per-layer hooks).
+    per-layer hooks). Its prefill takes a whole prompt into an empty cache (``chunked_prefill``
+    False: a batch prefills such a request at once).
     """
+
+    chunked_prefill = False
 
     def __init__(self, runner, policy):
         if not isinstance(runner, NativeRunner):
