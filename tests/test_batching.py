@@ -20,14 +20,14 @@ from test_sampling import (
 
 from speculum.batching import Batcher, BatchRequest, PrefixCache
 from speculum.cache import SlotPool
+from speculum.drafters import DRAFTERS
 from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.drafters.auto import AutoDrafter
 from speculum.drafters.ngram import NgramDrafter
-from speculum.drafters.recycling import RecyclingDrafter
-from speculum.drafters.suffix import SuffixDrafter
 from speculum.engine import Engine
 from speculum.runners import NativeRunner
 from speculum.tree import DraftTree
+from speculum.tree_sizing import CostModel, TreeSizer
 
 
 def _prompts(n, seed, shared=()):
@@ -85,9 +85,20 @@ def test_slot_pool_release_keeps_slots_compact():
     assert pool.acquire().slot == 2
 
 
-def _drafters():
-    return {"ar": AutoregressiveDrafter(), "ngram": NgramDrafter(max_draft=8), "suffix": SuffixDrafter(),
-            "recycling": RecyclingDrafter(), "auto": AutoDrafter()}
+# a cost model under which drafted rows are cheap for few sequences and dear for many: the batch
+# sizer keeps some nodes and drops others
+COST = CostModel([1, 16, 64], [64], [[1.0, 1.3, 3.0]], sequences=[1, 4, 16], rows=[1, 8], batch_context=64,
+                 batch_seconds=[[1.0, 1.4], [1.2, 2.5], [2.0, 6.0]])
+
+
+def _engines(runner):
+    """One engine per registered drafter (the scored ones sized by the batch sizer)."""
+    out = {}
+    for name, entry in DRAFTERS.items():
+        drafter = entry.factory(draft_model=tiny_llama(seed=9)) if entry.needs_draft_model else entry.factory()
+        out[name] = Engine(runner, drafter, eos_token_ids=[], max_tree=12,
+                           sizer=TreeSizer(COST) if entry.scored else None)
+    return out
 
 
 @pytest.mark.parametrize("max_batch", [3, 8])
@@ -96,9 +107,9 @@ def test_batch_greedy_equals_solo_ar_for_every_drafter(tiny_model, max_batch):
     so that requests join and leave mid-way. Half of them share a prefix (the prefix cache)."""
     runner = NativeRunner(tiny_model)
     ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
-    engines = {name: Engine(runner, d, eos_token_ids=[], max_tree=12) for name, d in _drafters().items()}
+    engines = _engines(runner)
     shared = [random.Random(5).randrange(TINY_VOCAB) for _ in range(40)]
-    prompts = _prompts(10, 1) + _prompts(10, 2, shared)
+    prompts = _prompts(12, 1) + _prompts(12, 2, shared)
     rng = random.Random(max_batch)
     reqs, want = [], []
     for i, p in enumerate(prompts):

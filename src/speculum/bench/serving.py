@@ -4,8 +4,9 @@
 ``--url``: vLLM's, say) with the official ``openai`` client. For each concurrency ``c`` it sends
 ``requests`` chat requests from ``c`` threads (each takes the next prompt as soon as its previous
 answer ends), all streamed at temperature 0, after one warm-up request. Prompts are Spec-Bench's,
-in one fixed shuffled order (tasks mixed); every other one carries a common system prompt (what
-prefix caching is for).
+in one fixed shuffled order (tasks mixed), each concurrency level taking the next ``requests`` of
+them (wrapping around when the data runs out); every other one carries a common system prompt
+(what prefix caching is for).
 
 Reported per concurrency: total generated tokens per second (all tokens over the wall time),
 time to first token and time per output token after it (p50, p99), errors. A second part,
@@ -118,8 +119,9 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def run_level(client, model: str, prompts: list[Prompt], concurrency: int, requests: int,
-              max_tokens: int, progress=None) -> dict:
-    """``requests`` requests from ``concurrency`` threads; the summary of one table row."""
+              max_tokens: int, progress=None, offset: int = 0) -> dict:
+    """``requests`` requests from ``concurrency`` threads (prompts ``offset ..`` of ``prompts``,
+    wrapping); the summary of one table row."""
     lock, nxt, out = threading.Lock(), [0], []
 
     def worker() -> None:
@@ -129,7 +131,7 @@ def run_level(client, model: str, prompts: list[Prompt], concurrency: int, reque
                 if i >= requests:
                     return
                 nxt[0] += 1
-            r = _one(client, model, _messages(prompts[i % len(prompts)], i), max_tokens)
+            r = _one(client, model, _messages(prompts[(offset + i) % len(prompts)], i), max_tokens)
             with lock:
                 out.append(r)
                 if progress is not None:
@@ -185,7 +187,10 @@ def run_serving(url: str, model: str, prompts: list[Prompt], levels: list[int], 
         from tqdm import tqdm
 
         bar = tqdm(total=requests * len(levels), desc="serving", unit="req")
-    rows = [run_level(client, model, prompts, c, requests, max_tokens, bar) for c in levels]
+    # each level its own prompts (as far as the data goes): a server that caches whole prompts
+    # must not answer a level from what the previous one sent
+    rows = [run_level(client, model, prompts, c, requests, max_tokens, bar, offset=1 + k * requests)
+            for k, c in enumerate(levels)]
     if bar is not None:
         bar.close()
     prefix = shared_prefix(client, model, system_tokens, prefix_requests, max_tokens) \
