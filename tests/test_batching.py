@@ -42,7 +42,7 @@ def _prompts(n, seed, shared=()):
 def test_batched_forward_matches_solo_forwards(tiny_model):
     runner = NativeRunner(tiny_model)
     rng = random.Random(0)
-    pool = runner.new_pool(5, capacity=8)  # small: the pool grows during the test
+    pool = runner.new_pool(6, capacity=8)  # small: the pool grows during the test
     for trial in range(6):
         prompts = [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(rng.randint(2, 5))]
         trees = []
@@ -65,7 +65,16 @@ def test_batched_forward_matches_solo_forwards(tiny_model):
         order = list(range(len(caches)))
         rng.shuffle(order)  # entries in any slot order
         caches, prompts, trees, solo = ([x[i] for i in order] for x in (caches, prompts, trees, solo))
-        out = runner.forward_batch(caches, [p[-1] for p in prompts], trees)
+        # and one more sequence whose prompt is prefilled in the same forward, in two chunks
+        extra = [rng.randrange(TINY_VOCAB) for _ in range(rng.randint(20, 40))]
+        ec, ref = pool.acquire(), runner.new_cache(64)
+        runner.prefill(ref, extra[:-1])
+        out = runner.forward_batch(caches, [p[-1] for p in prompts], trees, [(ec, extra[:17])])
+        runner.forward_batch(caches[:1], [prompts[0][-1]], trees[:1], [(ec, extra[17:-1])])  # the rest
+        assert ec.length == len(extra) - 1 and ec.pending == 0
+        torch.testing.assert_close(runner.forward(ec, extra[-1], DraftTree()).logits,
+                                   runner.forward(ref, extra[-1], DraftTree()).logits, rtol=1e-4, atol=1e-4)
+        pool.release(ec)
         for a, b in zip(solo, out):
             torch.testing.assert_close(b.logits, a, rtol=1e-4, atol=1e-4)
         for c in caches:
@@ -125,7 +134,8 @@ def test_batch_greedy_equals_solo_ar_for_every_drafter(tiny_model, max_batch):
         reqs.append(BatchRequest(oracle, p, 30))
         want.append(ref)
     cache = PrefixCache(min_tokens=8)
-    batcher = Batcher(runner, max_batch=max_batch, prefill_chunk=16, prefix_cache=cache)
+    # prompt chunks in their own forward (3 slots) and riding in the decoding steps' forward (8)
+    batcher = Batcher(runner, max_batch=max_batch, prefill_chunk=16, prefix_cache=cache, fused_prefill=max_batch > 3)
     got = [r.tokens for r in batcher.run(reqs)]
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, f"request {i}"

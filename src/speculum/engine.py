@@ -202,15 +202,24 @@ class Decoding:
 
     def prefill_some(self, limit: int, query_start: int | None = None) -> None:
         """Commit up to ``limit`` more prompt tokens to the cache; once all are in, the drafter starts."""
-        if self.to_prefill > 0:
-            t = time.perf_counter()
-            at = self.cache.length
-            take = self.prompt[at:at + min(limit, self.to_prefill)]
-            if query_start is not None or not getattr(self.runner, "chunked_prefill", True):
-                take = self.prompt[at:len(self.prompt) - 1]  # a KV policy's prefill takes the whole prompt
+        take = self.next_chunk(limit, query_start is not None)
+        t = time.perf_counter()
+        if take:
             self.runner.prefill(self.cache, take, query_start=query_start)
-            self.to_prefill -= len(take)
-            self.prefill_s += time.perf_counter() - t
+        self.chunk_done(len(take), time.perf_counter() - t)
+
+    def next_chunk(self, limit: int, whole: bool = False) -> list[int]:
+        """The next at most ``limit`` prompt tokens to prefill (all that are left when ``whole``, or
+        when the runner prefills only whole prompts: a KV policy's)."""
+        at = self.cache.length
+        if whole or not getattr(self.runner, "chunked_prefill", True):
+            limit = self.to_prefill
+        return self.prompt[at:at + min(limit, self.to_prefill)]
+
+    def chunk_done(self, n: int, seconds: float = 0.0) -> None:
+        """``n`` more prompt tokens were committed (in ``seconds``); the drafter starts after the last."""
+        self.to_prefill -= n
+        self.prefill_s += seconds
         if self.to_prefill == 0 and not self.started:
             self.drafter.reset(self.prompt, self.verifier.params, self.verifier.generator)
             self.started = True
@@ -264,12 +273,15 @@ class Decoding:
                                 self.steps, self.cache.peak_bytes)
 
 
-def step(decodings: Sequence[Decoding], sizer: TreeSizer | None = None) -> list[list[int]]:
+def step(decodings: Sequence[Decoding], sizer: TreeSizer | None = None,
+         prefills: Sequence[tuple[Decoding, list[int]]] = ()) -> list[list[int]]:
     """One verification step for every decoding (all prefilled, none finished, all on one runner;
     their engines and drafters may differ): draft, size, one forward over all of them
     (:meth:`~speculum.runners.base.RunnerBase.forward_batch`), verify, commit, update. Returns each
     one's newly committed tokens. ``sizer`` trims one decoding's tree for its own speed, or several
-    decodings' trees together for the batch's (:meth:`~speculum.tree_sizing.TreeSizer.select_batch`)."""
+    decodings' trees together for the batch's (:meth:`~speculum.tree_sizing.TreeSizer.select_batch`).
+    ``prefills``: ``(decoding, prompt chunk)`` pairs of decodings still prefilling, whose chunks
+    ride in the same forward (:meth:`Decoding.next_chunk`)."""
     t_a = time.perf_counter()
     trees = [d.draft() for d in decodings]
     if sizer is not None:
@@ -280,14 +292,16 @@ def step(decodings: Sequence[Decoding], sizer: TreeSizer | None = None) -> list[
             trees = sizer.select_batch(trees, [d.cache.length for d in decodings])
     trees = [d.bind(t) for d, t in zip(decodings, trees)]
     t_b = time.perf_counter()
-    runner = decodings[0].runner
+    runner = (decodings or [p[0] for p in prefills])[0].runner
     caches = [d.cache for d in decodings]
     roots = [d.tokens[-1] for d in decodings]
-    if len(decodings) == 1:
+    if len(decodings) == 1 and not prefills:
         outs = [runner.forward(caches[0], roots[0], trees[0])]
     else:
-        outs = runner.forward_batch(caches, roots, trees)
+        outs = runner.forward_batch(caches, roots, trees, [(d.cache, ids) for d, ids in prefills])
     t_c = time.perf_counter()
+    for d, ids in prefills:
+        d.chunk_done(len(ids), t_c - t_b)
     return [d.advance(t, o.logits, t_b - t_a, t_c - t_b) for d, t, o in zip(decodings, trees, outs)]
 
 

@@ -6,7 +6,8 @@ loops over :meth:`Batcher.step`:
 1. **admit** waiting requests while a slot is free; a request whose prompt starts like a recent one
    of the same tenant copies those KV entries (:class:`~.prefix_cache.PrefixCache`);
 2. **prefill** at most ``prefill_chunk`` prompt tokens, oldest request first, so that a long prompt
-   delays the others by one chunk per step, not by its whole length;
+   delays the others by one chunk per step, not by its whole length; the chunks ride in the
+   decoding step's forward (the weights are read once for both);
 3. **decode**: one :func:`~speculum.engine.step` over every prefilled request, each with its own
    drafter (a fork of its method's), tree, guide and verifier; the tree sizer spends the rows of
    the forward where they buy the most tokens (:meth:`~speculum.tree_sizing.TreeSizer.select_batch`);
@@ -63,15 +64,19 @@ class Batcher:
         prefill_chunk: prompt tokens prefilled per step while others decode.
         prefix_cache: shared-prefix reuse (None: off).
         sizer: sizes the trees of a step together (default: the first engine's sizer seen).
+        fused_prefill: prompt chunks ride in the decoding step's forward (False: a forward of their
+            own before it).
     """
 
     def __init__(self, runner, max_batch: int = 8, prefill_chunk: int = 128,
-                 prefix_cache: PrefixCache | None = None, sizer: TreeSizer | None = None):
+                 prefix_cache: PrefixCache | None = None, sizer: TreeSizer | None = None,
+                 fused_prefill: bool = True):
         if max_batch < 1:
             raise SpeculumError(f"max_batch must be at least 1, got {max_batch}")
         self.runner, self.max_batch, self.prefill_chunk = runner, max_batch, prefill_chunk
         self.pool = runner.new_pool(max_batch)
         self.prefix_cache, self.sizer = prefix_cache, sizer
+        self.fused_prefill = fused_prefill and getattr(runner, "chunked_prefill", True)
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []
 
@@ -90,24 +95,44 @@ class Batcher:
         """Admit, prefill one chunk, decode one step for every prefilled request, retire."""
         self._admit()
         self._retire()
-        budget = self.prefill_chunk
-        for r in [r for r in self.running if not r.decoding.prefilled]:
-            if budget <= 0 and r.decoding.to_prefill:
-                break
-            budget -= self._prefill(r, budget)
+        chunks = self._chunks()
         ready = [r for r in self.running if r.decoding.prefilled and r.decoding.reason is None]
-        if ready:
+        if not ready or not self.fused_prefill:
+            for r, ids in chunks:  # prefill on its own
+                self._prefill(r, ids)
+            chunks = []
+        if ready or chunks:
             try:
-                news = step([r.decoding for r in ready], self.sizer)
+                news = step([r.decoding for r in ready], self.sizer, [(r.decoding, ids) for r, ids in chunks])
             except Exception as e:  # noqa: BLE001 - a failed forward fails the requests in it, not the loop
-                for r in ready:
+                for r in ready + [r for r, _ in chunks]:
                     self._fail(r, e)
                 self._retire()
                 return
+            for r, _ in chunks:
+                self._prefilled(r)
             for r, new in zip(ready, news):
                 if new and r.on_tokens is not None:
                     r.on_tokens(new)
         self._retire()
+
+    def _chunks(self) -> list[tuple[BatchRequest, list[int]]]:
+        """This step's prompt chunks: at most ``prefill_chunk`` tokens in all, oldest request first.
+        A request whose prompt is already all in its cache starts here."""
+        budget, out = self.prefill_chunk, []
+        for r in self.running:
+            d = r.decoding
+            if d.prefilled:
+                continue
+            if d.to_prefill == 0:
+                d.chunk_done(0)
+                continue
+            if budget <= 0:
+                break
+            ids = d.next_chunk(budget)
+            budget -= len(ids)
+            out.append((r, ids))
+        return out
 
     def run(self, requests: Sequence[BatchRequest]) -> list[GenerationResult]:
         """Submit ``requests``, step until all are done; their results in order (library use)."""
@@ -144,19 +169,24 @@ class Batcher:
             r.admitted_at = time.perf_counter()
             self.running.append(r)
 
-    def _prefill(self, r: BatchRequest, budget: int) -> int:
-        """Prefill up to ``budget`` of ``r``'s prompt tokens; returns how many."""
-        d = r.decoding
-        before = d.to_prefill
+    def _prefill(self, r: BatchRequest, ids: list[int]) -> None:
+        """Commit ``ids``, the next chunk of ``r``'s prompt, in a forward of their own."""
+        t = time.perf_counter()
         try:
-            d.prefill_some(budget)
+            self.runner.prefill(r.decoding.cache, ids)
         except Exception as e:  # noqa: BLE001 - reported to that request alone
             self._fail(r, e)
-            return budget
-        if d.prefilled and before and self.prefix_cache is not None and hasattr(d.cache, "load"):
+            return
+        r.decoding.chunk_done(len(ids), time.perf_counter() - t)
+        self._prefilled(r)
+
+    def _prefilled(self, r: BatchRequest) -> None:
+        """After a chunk: once the whole prompt is in, offer its entries to the prefix cache."""
+        d = r.decoding
+        if d.prefilled and self.prefix_cache is not None and hasattr(d.cache, "load"):
             n = d.cache.length
-            self.prefix_cache.store(r.tenant, r.prompt_ids[:n], d.cache.kv[:, :, :, :n])
-        return before - d.to_prefill
+            if n > r.reused:
+                self.prefix_cache.store(r.tenant, r.prompt_ids[:n], d.cache.kv[:, :, :, :n])
 
     def _fail(self, r: BatchRequest, e: Exception, started: bool = True) -> None:
         if started and r.decoding is not None:

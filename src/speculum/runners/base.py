@@ -138,11 +138,14 @@ class RunnerBase:
             self._check_layers(hidden_layers)
         return self._run(cache, [root] + tree.tokens, self.step_for(cache, tree), False, hidden_layers)
 
-    def forward_batch(self, caches: Sequence[KVCache], roots: Sequence[int],
-                      trees: Sequence[DraftTree]) -> list[Forward]:
+    def forward_batch(self, caches: Sequence[KVCache], roots: Sequence[int], trees: Sequence[DraftTree],
+                      prefills: Sequence[tuple[KVCache, list[int]]] = ()) -> list[Forward]:
         """:meth:`forward` for several sequences, each with its own cache, root and tree: logits
-        ``[n_j + 1, V]`` per sequence. Here one forward after another; the native runner stacks them
-        into one (:mod:`speculum.runners.batched`)."""
+        ``[n_j + 1, V]`` per sequence. ``prefills``: ``(cache, token_ids)`` prompt chunks to commit
+        in the same pass (:meth:`prefill`). Here one call after another; the native runner stacks
+        them into one forward (:mod:`speculum.runners.batched`)."""
+        for cache, ids in prefills:
+            self.prefill(cache, ids)
         return [self.forward(c, r, t) for c, r, t in zip(caches, roots, trees)]
 
     def new_pool(self, slots: int, capacity: int = 1024):

@@ -1,22 +1,30 @@
-"""One forward for several sequences: the rows of all their trees stacked, attention per sequence.
+"""One forward for several sequences: the rows of all their trees (and prefill chunks) stacked,
+attention per sequence.
 
-Each sequence ``j`` brings ``n_j`` new rows (its root and draft tree, or a single root when it
-does not speculate) and its cache slot ``s_j`` of a :class:`~speculum.cache.SlotPool`, holding
-``L_j`` committed entries. The ``N = sum n_j`` rows run through every matrix product at once
-(``[N, D]``: what costs the same for 16 rows as for one on a CPU); attention runs once per layer
-over the pool's slots ``lo .. hi``, as a batch:
+Each sequence ``j`` brings ``n_j`` new rows (its root and draft tree, a single root when it does not
+speculate, or a chunk of its prompt) and its cache slot ``s_j`` of a
+:class:`~speculum.cache.SlotPool`, holding ``L_j`` committed entries. The ``N = sum n_j`` rows run
+through every matrix product at once (``[N, D]``: what costs the same for 16 rows as for one on a
+CPU). Attention runs per *group* of sequences, each group as one batch over the pool's slots
+``lo .. hi`` it spans:
 
-- queries are scattered to a padded ``[B, R]`` grid (``B = hi - lo + 1`` slots, ``R = max n_j``)
-  and folded per KV head: ``[B, H_kv, g*R, d]``;
+- queries are scattered to a padded ``[B, R]`` grid (``B = hi - lo + 1`` slots, ``R = max n_j`` in
+  the group) and folded per KV head: ``[B, H_kv, g*R, d]``;
 - keys and values are the pool's own slots, a view ``[B, H_kv, K, d]`` with ``K = max(L_j + n_j)``;
 - the additive mask ``[B, 1, g*R, K]`` gives each row its sequence's visibility (cached entries,
-  its tree's ancestors, the sliding window); padding rows, and slots in the range that take no
-  part in this step, see key 0 only (a finite row, dropped afterwards).
+  its tree's ancestors or causal order, the sliding window); padding rows, and slots in the range
+  that take no part, see key 0 only (a finite row, dropped afterwards).
 
-New keys and values are written into each sequence's slot at ``L_j .. L_j + n_j - 1`` by one
-indexed copy per layer. Example: two sequences with ``n = [1, 3]`` after ``L = [10, 4]`` cached
-entries: ``N = 4`` rows in the products, ``R = 3``, ``K = 11``; sequence 0's row sees keys
-``0..10``, sequence 1's rows see ``0..3`` plus their tree ancestors among ``4..6``.
+Decoding sequences with at most :data:`SMALL_ROWS` rows share groups, cut into runs of neighbouring
+slots where a short sequence would otherwise read keys up to a long one's length
+(:func:`split_by_length`); a prompt chunk, or a larger tree, gets its own group, so that nobody's
+queries are padded to a chunk's length (and a chunk's attention runs on the kernel its prefill
+alone would use). Logits are
+computed only for the rows that need them: every row of a tree, the last row of a prefill chunk.
+
+Example: two sequences with ``n = [1, 3]`` after ``L = [10, 4]`` cached entries: ``N = 4`` rows in
+the products, one group with ``R = 3``, ``K = 11``; sequence 0's row sees keys ``0..10``, sequence
+1's rows see ``0..3`` plus their tree ancestors among ``4..6``.
 """
 
 from __future__ import annotations
@@ -32,6 +40,54 @@ from .base import Forward
 from .decoder import NativeDecoder
 from .invariance import NO_FLOORS, RowFloors
 
+SMALL_ROWS = 16  # sequences with at most this many rows share one attention group
+# what one more attention call costs, in key slots read (a call's overhead against reading one
+# cached entry of one sequence): decides where one group is split into slot ranges
+CALL_COST_KEYS = 400
+
+
+def split_by_length(slots: list[int], keys: list[int], call_cost: int = CALL_COST_KEYS) -> list[list[int]]:
+    """Cut sequences (indices into ``slots [J]`` and ``keys [J]``, their pool slots and key counts)
+    into runs of neighbouring slots, each one attention call over its slot range padded to its
+    longest sequence, minimising ``sum(call_cost + slots spanned * longest keys)``. One call over
+    everything reads every slot up to the longest sequence's length; a short sequence beside a long
+    one is cheaper in a call of its own.
+
+    Example: slots ``[0, 1, 2]`` with keys ``[1500, 60, 80]`` -> ``[[0], [1, 2]]`` (reads 1500 + 160
+    slots' keys instead of 4500)."""
+    order = sorted(range(len(slots)), key=lambda j: slots[j])
+    n = len(order)
+    best = [0.0] + [float("inf")] * n  # best[i]: cost of the first i sequences (in slot order)
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        longest = 0
+        for a in range(i, 0, -1):  # the last run is order[a-1 .. i-1]
+            longest = max(longest, keys[order[a - 1]])
+            span = slots[order[i - 1]] - slots[order[a - 1]] + 1
+            cost = best[a - 1] + call_cost + span * longest
+            if cost < best[i]:
+                best[i], cut[i] = cost, a - 1
+    runs, i = [], n
+    while i > 0:
+        runs.append(order[cut[i]:i])
+        i = cut[i]
+    return runs[::-1]
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences whose attention runs as one batch."""
+
+    rows: torch.Tensor | None  # [N_g] which of the N stacked rows are the group's (None: all, in order)
+    grid: torch.Tensor  # [N_g] index into the padded [B * R] query grid
+    dense: bool  # grid == arange(B * R): no scatter needed
+    lo: int  # first pool slot
+    batch: int  # B: slots lo .. lo + B - 1
+    width: int  # R: padded rows per slot
+    keys: int  # K: key slots attended
+    masks: dict[bool, torch.Tensor]  # {sliding: [B, 1, g*R, K] additive}
+    prefill: bool = False  # a prompt chunk: attention by the kernel a prefill uses alone
+
 
 @dataclass
 class BatchRows:
@@ -41,38 +97,32 @@ class BatchRows:
     positions: torch.Tensor  # [N] rotary positions
     slots: torch.Tensor  # [N] pool slot of the row's sequence
     writes: torch.Tensor  # [N] cache slot index its entry is written to
-    grid: torch.Tensor  # [N] index into the padded [B * R] query grid
-    dense: bool  # grid == arange(B * R): the rows fill the grid in order (no scatter needed)
-    counts: list[int]  # [J] rows per sequence
-    lo: int  # first pool slot of the batch
-    batch: int  # B: slots lo .. lo + B - 1
-    rows: int  # R: padded rows per slot
-    keys: int  # K: key slots attended
-    masks: dict[bool, torch.Tensor]  # {sliding: [B, 1, g*R, K] additive}
+    groups: list[AttentionGroup]
+    logit_rows: torch.Tensor | None  # [M] rows whose logits are computed (None: all N)
+    logit_counts: list[int]  # [J] logit rows per sequence
 
 
-def stack_rows(caches: Sequence[SlotCache], ids: Sequence[list[int]], steps: Sequence[Step],
-               group: int, window: int | None, dtype: torch.dtype, device: torch.device) -> BatchRows:
-    """Lay out ``J`` sequences' new rows (``ids[j]`` at ``steps[j]``, after ``caches[j].length``
-    cached entries) for :func:`batched_forward`."""
-    slots = [c.slot for c in caches]
+def _group(caches: Sequence[SlotCache], ids: Sequence[list[int]], steps: Sequence[Step], starts: list[int],
+           members: list[int], n_total: int, group: int, window: int | None, dtype: torch.dtype,
+           device: torch.device) -> AttentionGroup:
+    """The attention group of sequences ``members`` (their rows start at ``starts[j]``)."""
+    slots = [caches[j].slot for j in members]
     lo, hi = min(slots), max(slots)
-    b, r = hi - lo + 1, max(len(x) for x in ids)
-    keys = max(c.length + len(x) for c, x in zip(caches, ids))
+    b, r = hi - lo + 1, max(len(ids[j]) for j in members)
+    keys = max(caches[j].length + len(ids[j]) for j in members)
     full = torch.zeros(b, r, keys, dtype=torch.bool, device=device)
     full[:, :, 0] = True  # padding rows and idle slots: key 0 only
     sliding = full.clone() if window is not None else full
-    grid, writes, row_slots = [], [], []
-    for c, x, step in zip(caches, ids, steps):
-        n, length, j = len(x), c.length, c.slot - lo
-        f, s = visibility(length, step.positions, step.new_mask, window)
-        width = length + n
-        full[j, :n, :width] = True if f is None else f
+    grid, rows = [], []
+    for j in members:
+        c, n = caches[j], len(ids[j])
+        at, width = c.slot - lo, c.length + n
+        f, s = visibility(c.length, steps[j].positions, steps[j].new_mask, window)
+        full[at, :n, :width] = True if f is None else f
         if sliding is not full:
-            sliding[j, :n, :width] = True if s is None else s
-        grid.extend(range(j * r, j * r + n))
-        writes.extend(range(length, width))
-        row_slots.extend([c.slot] * n)
+            sliding[at, :n, :width] = True if s is None else s
+        grid.extend(range(at * r, at * r + n))
+        rows.extend(range(starts[j], starts[j] + n))
 
     def additive(m: torch.Tensor) -> torch.Tensor:
         add = torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, float("-inf"))
@@ -80,39 +130,73 @@ def stack_rows(caches: Sequence[SlotCache], ids: Sequence[list[int]], steps: Seq
 
     masks = {False: additive(full)}
     masks[True] = masks[False] if sliding is full else additive(sliding)
-    as_tensor = lambda v: torch.tensor(v, device=device)
-    return BatchRows(as_tensor([t for x in ids for t in x]), torch.cat([s.positions for s in steps]),
-                     as_tensor(row_slots), as_tensor(writes), as_tensor(grid), grid == list(range(b * r)), [len(x) for x in ids],
-                     lo, b, r, keys, masks)
+    all_rows = rows == list(range(n_total))
+    return AttentionGroup(None if all_rows else torch.tensor(rows, device=device), torch.tensor(grid, device=device),
+                          grid == list(range(b * r)), lo, b, r, keys, masks)
+
+
+def stack_rows(caches: Sequence[SlotCache], ids: Sequence[list[int]], steps: Sequence[Step],
+               group: int, window: int | None, dtype: torch.dtype, device: torch.device,
+               last_only: Sequence[bool] | None = None) -> BatchRows:
+    """Lay out ``J`` sequences' new rows (``ids[j]`` at ``steps[j]``, after ``caches[j].length``
+    cached entries) for :func:`batched_forward`. ``last_only[j]``: sequence ``j`` needs the logits
+    of its last row only (a prefill chunk)."""
+    last_only = list(last_only or [False] * len(ids))
+    counts = [len(x) for x in ids]
+    starts = [sum(counts[:j]) for j in range(len(ids))]
+    n = sum(counts)
+    small = [j for j in range(len(ids)) if counts[j] <= SMALL_ROWS and not last_only[j]]
+    runs = split_by_length([caches[j].slot for j in small], [caches[j].length + counts[j] for j in small])
+    parts = [[small[i] for i in run] for run in runs] + [[j] for j in range(len(ids)) if j not in small]
+    groups = [_group(caches, ids, steps, starts, m, n, group, window, dtype, device) for m in parts]
+    for grp, m in zip(groups, parts):
+        grp.prefill = last_only[m[0]]
+    logit_rows = None
+    if any(last_only):
+        logit_rows = torch.tensor([i for j in range(len(ids)) for i in
+                                   ([starts[j] + counts[j] - 1] if last_only[j] else range(starts[j], starts[j] + counts[j]))],
+                                  device=device)
+    rows_of = lambda v: torch.tensor(v, device=device)
+    return BatchRows(rows_of([t for x in ids for t in x]), torch.cat([s.positions for s in steps]),
+                     rows_of([c.slot for c, k in zip(caches, counts) for _ in range(k)]),
+                     rows_of([c.length + i for c, k in zip(caches, counts) for i in range(k)]), groups, logit_rows,
+                     [1 if lo_ else k for lo_, k in zip(last_only, counts)])
 
 
 def batched_forward(decoder: NativeDecoder, pool_kv: torch.Tensor, rows: BatchRows,
                     floors: RowFloors | None = None) -> list[Forward]:
-    """Logits for every sequence's rows; their keys and values are written into ``pool_kv``
-    ``[layers, 2, S, H_kv, C, d]`` (pending). ``floors``: the reproducible mode's row floors
-    (:mod:`speculum.runners.invariance`); attention then takes its explicit path.
+    """Logits for every sequence's rows (its last row only where it asked for that); their keys and
+    values are written into ``pool_kv`` ``[layers, 2, S, H_kv, C, d]`` (pending). ``floors``: the
+    reproducible mode's row floors (:mod:`speculum.runners.invariance`); decoding groups then take
+    the explicit attention path.
 
-    Returns one :class:`Forward` per sequence, logits ``[n_j, V]``.
+    Returns one :class:`Forward` per sequence, logits ``[n_j, V]`` (``[1, V]`` for a last-only one).
     """
     s = decoder.shape
-    b, r, g, d = rows.batch, rows.rows, s.group, s.head_dim
-    dense = rows.dense
-    math = floors is not None or use_math_attention(g * r, pool_kv.device)
-    lo = rows.lo
+    g, d = s.group, s.head_dim
+    single = len(rows.groups) == 1
+
+    def group_attention(kv: torch.Tensor, grp: AttentionGroup, q: torch.Tensor, sliding: bool) -> torch.Tensor:
+        b, r = grp.batch, grp.width
+        qg = q if grp.dense else q.new_zeros(b * r, s.heads, d).index_copy_(0, grp.grid, q)
+        qg = qg.view(b, r, s.kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b, s.kv_heads, g * r, d)
+        keys, values = kv[0, grp.lo:grp.lo + b, :, :grp.keys], kv[1, grp.lo:grp.lo + b, :, :grp.keys]
+        math = (floors is not None and not grp.prefill) or use_math_attention(g * r, pool_kv.device)
+        out = folded_attention(qg, keys, values, grp.masks[sliding], s.attn_scale, math, s.attn_softcap)
+        out = out.view(b, s.kv_heads, g, r, d).permute(0, 3, 1, 2, 4).reshape(b * r, s.heads * d)
+        return out if grp.dense else out.index_select(0, grp.grid)
 
     def attend(i: int, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = pool_kv[i]  # [2, S, H_kv, C, d]
         kv[0][rows.slots, :, rows.writes] = k  # [N, H_kv, d] into each row's slot and index
         kv[1][rows.slots, :, rows.writes] = v
-        if dense:
-            qg = q
-        else:
-            qg = q.new_zeros(b * r, s.heads, d).index_copy_(0, rows.grid, q)
-        qg = qg.view(b, r, s.kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b, s.kv_heads, g * r, d)
-        keys, values = kv[0, lo:lo + b, :, :rows.keys], kv[1, lo:lo + b, :, :rows.keys]
-        out = folded_attention(qg, keys, values, rows.masks[layer.sliding], s.attn_scale, math, s.attn_softcap)
-        out = out.view(b, s.kv_heads, g, r, d).permute(0, 3, 1, 2, 4).reshape(b * r, s.heads * d)
-        return out if dense else out.index_select(0, rows.grid)
+        if single and rows.groups[0].rows is None:
+            return group_attention(kv, rows.groups[0], q, layer.sliding)
+        out = q.new_empty(q.shape[0], s.heads * d)
+        for grp in rows.groups:
+            out.index_copy_(0, grp.rows, group_attention(kv, grp, q.index_select(0, grp.rows), layer.sliding))
+        return out
 
-    out = decoder.forward_with(rows.ids, rows.positions, attend, False, (), floors or NO_FLOORS)
-    return [Forward(part) for part in out.logits.split(rows.counts)]
+    out = decoder.forward_with(rows.ids, rows.positions, attend, False, (), floors or NO_FLOORS,
+                               logit_rows=rows.logit_rows)
+    return [Forward(part) for part in out.logits.split(rows.logit_counts)]

@@ -286,14 +286,16 @@ class NativeDecoder:
         return self.forward_with(ids, positions, attend, last_only, hidden_layers, floors or NO_FLOORS)
 
     def forward_with(self, ids: torch.Tensor, positions: torch.Tensor, attend, last_only: bool = False,
-                     hidden_layers: Sequence[int] = (), floors: RowFloors = NO_FLOORS) -> Forward:
+                     hidden_layers: Sequence[int] = (), floors: RowFloors = NO_FLOORS,
+                     logit_rows: torch.Tensor | None = None) -> Forward:
         """:meth:`forward` with the cache left to ``attend(i, layer, q [n, H, d], k, v [n, H_kv, d])
         -> [n, H*d]``, which stores layer ``i``'s new keys and values where it keeps them and returns
         the attention output (how KV policies run the model: :mod:`speculum.runners.policy`).
 
         ``hidden_layers``: ``{i: [n, D]}`` to return, numbered as transformers'
         ``output_hidden_states``: 0 the embeddings, ``i`` the ``i``-th layer's output, ``layers`` the
-        final norm's output."""
+        final norm's output. ``logit_rows [m]``: compute the logits of these rows only (a batch's
+        prefill chunks need their last row's)."""
         hidden: dict[int, torch.Tensor] = {}
         h = self.embed_ids(ids)
         if 0 in hidden_layers:
@@ -304,6 +306,8 @@ class NativeDecoder:
             h = self.layer_forward(i, layer, h, rope, attend, floors)
             if i + 1 in hidden_layers and i + 1 < last:
                 hidden[i + 1] = h
+        if logit_rows is not None:
+            h = h.index_select(0, logit_rows)
         if last in hidden_layers:
             normed = self.final_norm(h)
             hidden[last] = normed

@@ -143,22 +143,29 @@ class NativeRunner(RunnerBase):
         return SlotPool(s.layers, s.kv_heads, s.head_dim, self.dtype, self.device, slots, capacity)
 
     @torch.inference_mode()
-    def forward_batch(self, caches, roots, trees) -> list[Forward]:
-        """One forward for several sequences (:mod:`speculum.runners.batched`) when their caches share
-        one :class:`~speculum.cache.SlotPool`; logits ``[n_j + 1, V]`` per sequence, entries pending."""
-        pools = {id(c.pool) for c in caches if isinstance(c, SlotCache)}
-        if len(caches) < 2 or len(pools) != 1 or not all(isinstance(c, SlotCache) for c in caches):
-            return super().forward_batch(caches, roots, trees)
-        ids = [[r] + t.tokens for r, t in zip(roots, trees)]
-        for c, x in zip(caches, ids):
+    def forward_batch(self, caches, roots, trees, prefills=()) -> list[Forward]:
+        """One forward for several sequences' trees and prompt chunks (:mod:`speculum.runners.batched`)
+        when their caches share one :class:`~speculum.cache.SlotPool`: logits ``[n_j + 1, V]`` per
+        tree, its entries pending; each prompt chunk's entries committed."""
+        every = list(caches) + [c for c, _ in prefills]
+        pools = {id(c.pool) for c in every if isinstance(c, SlotCache)}
+        if len(every) < 2 or len(pools) != 1 or not all(isinstance(c, SlotCache) for c in every):
+            return super().forward_batch(caches, roots, trees, prefills)
+        ids = [[r] + t.tokens for r, t in zip(roots, trees)] + [list(x) for _, x in prefills]
+        steps = [self.step_for(c, t) for c, t in zip(caches, trees)]
+        steps += [Step(torch.arange(c.position, c.position + len(x), device=self.device), None) for c, x in prefills]
+        for c, x in zip(every, ids):
             c.reserve(c.length + len(x))
         s = self.shape
-        rows = stack_rows(caches, ids, [self.step_for(c, t) for c, t in zip(caches, trees)], s.group,
-                          s.sliding_window, self.dtype, self.device)
-        out = batched_forward(self.decoder, caches[0].pool.kv, rows, self.floors)
+        rows = stack_rows(every, ids, steps, s.group, s.sliding_window, self.dtype, self.device,
+                          [False] * len(caches) + [True] * len(prefills))
+        out = batched_forward(self.decoder, every[0].pool.kv, rows, self.floors)
         for c, x in zip(caches, ids):
             c.pending = len(x)
-        return out
+        for c, x in prefills:
+            c.pending = len(x)
+            c.commit()
+        return out[:len(caches)]
 
     def _check_owner(self, cache: StaticKVCache) -> None:
         if cache.fixed and (self._owner is None or self._owner() is not cache):
