@@ -34,6 +34,8 @@ def _err(capsys, argv):
     (["bench", "--workload", "serving", "--methods", "hf_pld"], "one engine method"),
     (["serve", "--max-batch", "0"], "--max-batch"),
     (["serve", "--prefix-cache-mb", "-1"], "--prefix-cache-mb"),
+    (["serve", "--threads", "0"], "--threads"),
+    (["bench", "--workload", "serving", "--tasks", "poetry"], "no prompt of --tasks"),
 ])
 def test_user_errors_are_one_line(capsys, argv, needle):
     assert needle in _err(capsys, argv)

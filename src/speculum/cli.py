@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--system-tokens", type=int, default=1000,
                     help="size of the shared system prompt of the prefix-reuse part (0: skip it; default: "
                          "%(default)s)")
+    sv.add_argument("--tasks", default=None, metavar="T1,T2",
+                    help="only these Spec-Bench tasks (mt_bench, translation, summarization, qa, math_reasoning, rag; "
+                         "default: all)")
     sv.add_argument("--label", default=None, help="this run's name in the table (default: the server and method)")
     sv.add_argument("--include", default=None, metavar="DIR1,DIR2",
                     help="other serving runs' output folders (e.g. vLLM's, benchmarks/vllm_serving.py) to put in "
@@ -218,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests decoded together, one forward per step (continuous batching); default: from the "
                         "calibration, the most sequences whose forward costs at most 3x one sequence's (16 on a "
                         "2-core AVX-512 CPU in bfloat16); 1 decodes one request at a time")
+    s.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the model's kernels; default: all cores but one, which is left to the HTTP "
+                        "side (on 2 cores two kernel threads lose more to it than they gain: BENCHMARKS.md)")
     s.add_argument("--prefix-cache-mb", type=int, default=256,
                    help="MiB of recent prompts' KV entries kept so that a prompt starting the same way (a system "
                         "prompt) skips their prefill; per tenant; 0 turns it off (default: %(default)s)")
@@ -414,11 +420,16 @@ def _bench_serving(args) -> int:
     if args.url is None and method not in ENGINE_METHODS:
         raise SpeculumError(f"the serving workload serves one engine method; choose from {', '.join(ENGINE_METHODS)}")
     prompts = load_prompts(args.data or demo_prompts_path(), args.per_task)
+    if args.tasks:
+        tasks = {t.strip() for t in args.tasks.split(",") if t.strip()}
+        prompts = [p for p in prompts if p.task in tasks]
+        if not prompts:
+            raise SpeculumError(f"no prompt of --tasks {args.tasks} in the data")
     include = [x.strip() for x in (args.include or "").split(",") if x.strip()]
     meta = {"machine": machine_info(torch.device("cpu")), "versions": versions(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "settings": {"concurrency": levels, "requests": args.requests, "max_tokens": max_tokens,
                          "model": args.model, "dtype": args.dtype, "method": method, "url": args.url,
-                         "max_batch": args.max_batch, "system_tokens": args.system_tokens}}
+                         "max_batch": args.max_batch, "system_tokens": args.system_tokens, "tasks": args.tasks}}
     if args.url is not None:
         label = args.label or args.url
         run = run_serving(args.url, args.model, prompts, levels, args.requests, max_tokens, args.system_tokens,
@@ -498,6 +509,7 @@ def cmd_longctx(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    import torch
     import uvicorn
 
     from .models import load
@@ -515,6 +527,8 @@ def cmd_serve(args) -> int:
         raise SpeculumError("--max-batch must be in 1..256")
     if args.prefix_cache_mb < 0:
         raise SpeculumError("--prefix-cache-mb must be >= 0")
+    if args.threads is not None and args.threads < 1:
+        raise SpeculumError("--threads must be at least 1")
     if not 0 < args.port < 65536:
         raise SpeculumError("--port must be in 1..65535")
     if min(args.max_request_bytes, args.max_json_depth, args.max_grammar_bytes, args.max_prompt_tokens or 1) < 1 \
@@ -531,6 +545,7 @@ def cmd_serve(args) -> int:
                           max_body_bytes=args.max_request_bytes)
     limits = RequestLimits(args.max_json_depth, args.max_grammar_bytes, compile_timeout_s=args.grammar_timeout,
                            max_prompt_tokens=args.max_prompt_tokens)
+    torch.set_num_threads(args.threads or max(1, torch.get_num_threads() - 1))  # one core left to HTTP
     model, tok = load(args.model, args.dtype, args.device)
     use_runner(model, args.runner)
     release_if_native(model)  # the server runs only engine methods
