@@ -257,6 +257,7 @@ def test_serving_benchmark_drives_the_server(server, tmp_path):
     assert all(r["errors"] == 0 and r["tokens"] > 0 and r["tok_s"] > 0 for r in run["rows"])
     assert run["shared_prefix"]["requests"] == 3 and run["shared_prefix"]["prompt_tokens"][0] > 300
     assert state.prefix_cache.hits >= hits + 2  # the later shared-prefix requests reused the first's entries
+    assert state.metrics.prefix_hit_tokens._value.get() >= 2 * 300
     text, out = write_serving(tmp_path, "speculum ngram", run, {"settings": {}})
     assert "| speculum ngram | 3 | 4 |" in text
     assert (out / "serving.png").stat().st_size > 0 and (out / "results.json").exists()

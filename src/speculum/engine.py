@@ -204,7 +204,7 @@ class Decoding:
         """Commit up to ``limit`` more prompt tokens to the cache; once all are in, the drafter starts."""
         take = self.next_chunk(limit, query_start is not None)
         t = time.perf_counter()
-        if take:
+        if take or (not self.started and self.cache.length == 0):  # a KV policy sets its state up even for none
             self.runner.prefill(self.cache, take, query_start=query_start)
         self.chunk_done(len(take), time.perf_counter() - t)
 

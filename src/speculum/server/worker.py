@@ -161,6 +161,7 @@ class Worker:
 
         def on_done(result: GenerationResult) -> None:
             running.pop(id(job), None)
+            self.metrics.prefix_hit_tokens.inc(request.reused)
             end = time.perf_counter()
             ttft = job.first_token - job.submitted if job.first_token is not None else None
             self.metrics.record(job.method, result, ttft, job.started - job.submitted, end - job.submitted)
@@ -173,5 +174,6 @@ class Worker:
                 log.error("generation failed", exc_info=e)
             job.emit("error", e)
 
-        return BatchRequest(method.engine, job.prompt_ids, job.max_tokens, job.sampling, job.stop, job.seed,
-                            job.grammar, job.tenant, on_tokens, on_done, on_error)
+        request = BatchRequest(method.engine, job.prompt_ids, job.max_tokens, job.sampling, job.stop, job.seed,
+                               job.grammar, job.tenant, on_tokens, on_done, on_error)
+        return request
