@@ -52,7 +52,6 @@ class BatchRequest:
     decoding: Decoding | None = field(default=None, repr=False)
     reused: int = 0  # prompt tokens whose KV entries came from the prefix cache
     cancelled: bool = False
-    admitted_at: float | None = None
 
 
 class Batcher:
@@ -92,7 +91,8 @@ class Batcher:
 
     @torch.inference_mode()
     def step(self) -> None:
-        """Admit, prefill one chunk, decode one step for every prefilled request, retire."""
+        """Admit, prefill up to ``prefill_chunk`` prompt tokens, decode one step for every prefilled
+        request (in the same forward unless ``fused_prefill`` is off), retire."""
         self._admit()
         self._retire()
         chunks = self._chunks()
@@ -166,7 +166,6 @@ class Batcher:
                 continue
             if self.sizer is None:
                 self.sizer = r.engine.sizer
-            r.admitted_at = time.perf_counter()
             self.running.append(r)
 
     def _prefill(self, r: BatchRequest, ids: list[int]) -> None:
@@ -207,7 +206,7 @@ class Batcher:
                 keep.append(r)
                 continue
             self.pool.release(d.cache)
-            if d.reason not in ("error",) and not r.cancelled:
+            if d.reason != "error" and not r.cancelled:
                 result = d.finish()
                 if r.on_done is not None:
                     r.on_done(result)
