@@ -3,7 +3,8 @@
 Decodes the first ``--requests`` Spec-Bench development prompts with ``auto`` in batches of
 ``B`` requests for each ``B`` in ``--batches`` (in-process, no server), and reports per ``B``:
 drafted nodes per request per step, tokens committed per request per step, and total generated
-tokens per second. The same prompts at every ``B``, after a warm-up batch.
+tokens per second. The same prompts at every ``B``, each ``B`` with a fresh method (no drafter
+state learnt from these prompts), after a warm-up batch on other prompts.
 
     python benchmarks/batch_speculation.py --dtype bfloat16 --batches 1,4,8,16
 """
@@ -36,14 +37,19 @@ def main() -> None:
 
     model, tok = speculum.load("default", dtype=args.dtype)
     runner = runner_for(model).invariant()  # as `serve` runs it by default where the floors are cheap
-    method = build_method(args.method, model, tok, runner=runner, chains_only=True)
-    prompts = [encode_prompt(tok, p.text) for p in load_prompts(args.data, per_task=6)][: args.requests]
+    chosen = load_prompts(args.data, per_task=6)
+    prompts = [encode_prompt(tok, p.text) for p in chosen][: args.requests]
+    used = {p.question_id for p in chosen[: args.requests]}
+    warm = [encode_prompt(tok, p.text) for p in load_prompts(args.data) if p.question_id not in used]
     print(f"{args.method}, {args.dtype}, {len(prompts)} prompts, {args.max_new_tokens} new tokens each")
     print("| batch | drafted nodes / request / step | tokens / request / step | total tok/s |")
     print("|---:|---:|---:|---:|")
     for b in [int(x) for x in args.batches.split(",")]:
+        # a fresh method per batch size: drafters that learn across requests must not have seen
+        # these prompts' answers at a previous size; the warm-up uses prompts outside the set
+        method = build_method(args.method, model, tok, runner=runner, chains_only=True)
         batcher = Batcher(runner, max_batch=b)
-        batcher.run([BatchRequest(method.engine, p, 16) for p in prompts[:b]])  # warm-up
+        batcher.run([BatchRequest(method.engine, p, 16) for p in warm[:b]])
         t0 = time.perf_counter()
         results = batcher.run([BatchRequest(method.engine, p, args.max_new_tokens) for p in prompts])
         wall = time.perf_counter() - t0
