@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache import SlotCache
 from ..engine import Decoding, Engine, GenerationResult, step
 from ..errors import SpeculumError
 from ..sampling import SamplingParams
@@ -152,7 +153,7 @@ class Batcher:
                 continue
             cache = self.pool.acquire()
             try:
-                if self.prefix_cache is not None and hasattr(cache, "load"):
+                if self.prefix_cache is not None and isinstance(cache, SlotCache):
                     entries = self.prefix_cache.lookup(r.tenant, r.prompt_ids)
                     if entries is not None:
                         cache.load(entries)
@@ -182,7 +183,7 @@ class Batcher:
     def _prefilled(self, r: BatchRequest) -> None:
         """After a chunk: once the whole prompt is in, offer its entries to the prefix cache."""
         d = r.decoding
-        if d.prefilled and self.prefix_cache is not None and hasattr(d.cache, "load"):
+        if d.prefilled and self.prefix_cache is not None and isinstance(d.cache, SlotCache):
             n = d.cache.length
             if n > r.reused:
                 self.prefix_cache.store(r.tenant, r.prompt_ids[:n], d.cache.kv[:, :, :, :n])

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .base import KVCache
+from .static import StaticKVCache
 
 
 class SlotPool:
@@ -89,15 +90,15 @@ class SlotPool:
         return layers * two * heads * d * self.kv.element_size()
 
 
-class SlotCache(KVCache):
-    """One sequence's cache: slot ``slot`` of a :class:`SlotPool`, with the static cache's commit and
-    rollback. ``kv`` is the view ``[layers, 2, H_kv, C, d]`` (re-read after the pool grows or the
-    slot moves)."""
+class SlotCache(StaticKVCache):
+    """One sequence's cache: slot ``slot`` of a :class:`SlotPool`, with the static cache's commit,
+    rollback and byte counts. ``kv`` is the view ``[layers, 2, H_kv, C, d]`` (re-read after the pool
+    grows or the slot moves); growth grows the whole pool."""
 
     fixed = False
 
     def __init__(self, pool: SlotPool, slot: int):
-        super().__init__(pool.kv.device)
+        KVCache.__init__(self, pool.kv.device)  # the buffer is the pool's: no StaticKVCache allocation
         self.pool, self.slot = pool, slot
         self.dtype = pool.kv.dtype
 
@@ -107,19 +108,8 @@ class SlotCache(KVCache):
             raise RuntimeError("this KV cache's slot was released")
         return self.pool.kv[:, :, self.slot]
 
-    @property
-    def capacity(self) -> int:
-        return self.pool.capacity
-
     def _grow(self, extra: int) -> None:
         self.pool.grow(self.capacity + extra)
-
-    def entry_bytes(self) -> int:
-        return self.pool.entry_bytes()
-
-    def _move_entries(self, src: torch.Tensor, dst: int) -> None:
-        kv = self.kv
-        kv[:, :, :, dst:dst + src.shape[0]] = kv.index_select(3, src)
 
     @torch.inference_mode()
     def load(self, entries: torch.Tensor) -> None:

@@ -117,12 +117,16 @@ class RunnerBase:
         parts: dict[int, list[torch.Tensor]] = {i: [] for i in hidden_layers}
         for start in range(0, len(token_ids), self.prefill_chunk):
             chunk = token_ids[start:start + self.prefill_chunk]
-            step = Step(torch.arange(cache.position, cache.position + len(chunk), device=self.device), None)
+            step = self.chunk_step(cache, len(chunk))
             out = self._run(cache, chunk, step, True, hidden_layers)
             cache.commit()
             for i, h in out.hidden.items():
                 parts[i].append(h)
         return {i: torch.cat(hs) for i, hs in parts.items() if hs}
+
+    def chunk_step(self, cache: KVCache, n: int) -> Step:
+        """The prologue of a prefill chunk of ``n`` tokens: the next ``n`` positions, causal."""
+        return Step(torch.arange(cache.position, cache.position + n, device=self.device), None)
 
     def step_for(self, cache: KVCache, tree: DraftTree) -> Step:
         """The prologue of a tree forward: positions ``[n + 1]`` (root first) and the ancestor mask

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import Step, folded_attention, use_math_attention, visibility
+from ..attention import Step, folded_attention, grouped, use_math_attention, visibility
 from ..cache import SlotCache
 from .base import Forward
 from .decoder import NativeDecoder
@@ -124,12 +124,8 @@ def _group(caches: Sequence[SlotCache], ids: Sequence[list[int]], steps: Sequenc
         grid.extend(range(at * r, at * r + n))
         rows.extend(range(starts[j], starts[j] + n))
 
-    def additive(m: torch.Tensor) -> torch.Tensor:
-        add = torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, float("-inf"))
-        return add[:, None].expand(b, group, r, keys).reshape(b, 1, group * r, keys)
-
-    masks = {False: additive(full)}
-    masks[True] = masks[False] if sliding is full else additive(sliding)
+    masks = {False: grouped(full, group, dtype)[:, None]}  # [B, 1, g*R, K]
+    masks[True] = masks[False] if sliding is full else grouped(sliding, group, dtype)[:, None]
     all_rows = rows == list(range(n_total))
     return AttentionGroup(None if all_rows else torch.tensor(rows, device=device), torch.tensor(grid, device=device),
                           grid == list(range(b * r)), lo, b, r, keys, masks)

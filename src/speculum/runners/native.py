@@ -153,7 +153,7 @@ class NativeRunner(RunnerBase):
             return super().forward_batch(caches, roots, trees, prefills)
         ids = [[r] + t.tokens for r, t in zip(roots, trees)] + [list(x) for _, x in prefills]
         steps = [self.step_for(c, t) for c, t in zip(caches, trees)]
-        steps += [Step(torch.arange(c.position, c.position + len(x), device=self.device), None) for c, x in prefills]
+        steps += [self.chunk_step(c, len(x)) for c, x in prefills]
         for c, x in zip(every, ids):
             c.reserve(c.length + len(x))
         s = self.shape
