@@ -224,3 +224,25 @@ def test_cuda_graphs_match_hf_runner(kind):
     assert native.graphs is not None and native.graphs.capture
     _compare_steps(model, native, atol=1e-4, steps=20)
     assert native.graphs.graphs  # steps really replayed captured graphs
+
+
+@pytest.mark.parametrize("mask_shape", [None, (12, 40), (5, 1, 12, 40), (1, 1, 12, 40), (5, 1, 1, 40)])
+@pytest.mark.parametrize("row_blocks", [False, True])
+def test_blocked_math_attention_matches_one_piece(monkeypatch, mask_shape, row_blocks):
+    """The math path computed in pieces (scores over SCORE_BLOCK_BYTES) equals it in one piece, for
+    every mask layout the runners pass; keys may be a strided view of a cache with spare room."""
+    from speculum import attention as att
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 3, 12, 16, generator=gen)
+    kv = torch.randn(2, 5, 3, 64, 16, generator=gen)
+    k, v = kv[0, :, :, :40], kv[1, :, :, :40]  # [5, 3, 40, 16], not contiguous
+    mask = None
+    if mask_shape is not None:
+        mask = torch.zeros(mask_shape).masked_fill_(torch.rand(mask_shape, generator=gen) < 0.3, float("-inf"))
+        mask[..., 0] = 0.0  # every row sees a key
+    whole = att.folded_attention(q, k, v, mask, 0.25, True, softcap=5.0)
+    for budget in (12 * 40 * 4 * 2, 12 * 40 * 4, 40 * 4 * 5):  # runs of entries, one matrix, runs of rows
+        monkeypatch.setattr(att, "SCORE_BLOCK_BYTES", budget)
+        pieces = att.folded_attention(q, k, v, mask, 0.25, True, softcap=5.0, row_blocks=row_blocks)
+        torch.testing.assert_close(pieces, whole, rtol=1e-6, atol=1e-6)

@@ -31,12 +31,16 @@ root, after 3 cached tokens, ``g = 2``::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
 
 import torch
 
-# folded query rows for which the explicit float32 math path beats SDPA on a CPU (see
-# use_math_attention); BENCHMARKS.md has the measurements behind the bounds
-MATH_ATTENTION_ROWS = (8, 256)
+# folded query rows from which the explicit float32 math path beats SDPA on a CPU (see
+# use_math_attention); BENCHMARKS.md has the measurements behind the bound
+MATH_ATTENTION_MIN_ROWS = 8
+# the math path's float32 scores are computed in pieces of at most this many bytes (prefill chunks
+# over long contexts): past a few MB the softmax passes leave the cache and run 3-4x slower
+SCORE_BLOCK_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -202,37 +206,95 @@ def unfold_rows(out: torch.Tensor, n: int) -> torch.Tensor:
     return out.view(kv_heads, g, n, d).permute(2, 0, 1, 3).reshape(n, kv_heads * g * d)
 
 
+def _broadcasts_into(shape: torch.Size, into: torch.Size) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``into`` without growing it (an in-place operand)."""
+    return len(shape) <= len(into) and all(a in (1, b) for a, b in zip(reversed(shape), reversed(into)))
+
+
 def attention_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
                      softcap: float | None = None) -> torch.Tensor:
     """Float32 attention logits ``q @ k^T * scale``, soft-capped (``tanh(x / c) * c``, Gemma-2) and
     masked: ``q [..., R, d]``, ``k [..., L, d]``, additive ``mask`` broadcastable to ``[..., R, L]``
     -> ``[..., R, L]``."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if not k.is_contiguous():
+        # a cache's view up to its length (spare capacity beyond it): matmul takes a slow strided
+        # path for its transpose, 3-4x the cost of copying the keys first (decode-sized queries)
+        k = k.contiguous()
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # a fresh tensor: in place from here
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
     if mask is not None:
-        scores = scores + mask
+        if _broadcasts_into(mask.shape, scores.shape):
+            scores = scores.add_(mask)  # in place: a mixed-dtype out-of-place add is ~7x slower here
+        else:
+            scores = scores + mask
     return scores
 
 
 def use_math_attention(rows: int, device: torch.device) -> bool:
     """Whether :func:`folded_attention` should take its math path for ``rows`` folded query rows:
-    on a CPU, from verification-sized inputs up to where SDPA's flash kernel (prefill chunks) wins."""
-    lo, hi = MATH_ATTENTION_ROWS
-    return device.type == "cpu" and lo <= rows < hi
+    on a CPU, from verification-sized inputs up (prefill chunks included: in blocks, it runs about
+    twice as fast as SDPA's CPU flash kernel)."""
+    return device.type == "cpu" and rows >= MATH_ATTENTION_MIN_ROWS
 
 
 def folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float, math: bool, softcap: float | None = None) -> torch.Tensor:
+                     scale: float, math: bool, softcap: float | None = None, row_blocks: bool = False) -> torch.Tensor:
     """Attention over folded queries.
 
     Shapes: ``q [..., H_kv, R, d]`` (``R = g*n`` folded rows), ``k, v [..., H_kv, L, d]``, ``mask``
-    additive, broadcastable to ``[R, L]`` (see :func:`grouped`), or None. Returns ``[..., H_kv, R, d]``.
-    ``math`` (the caller's choice; forced by soft-capping) runs :func:`attention_scores`, softmax and
-    a matmul explicitly in float32; otherwise ``scaled_dot_product_attention``.
+    additive, broadcastable to ``[..., H_kv, R, L]`` (see :func:`grouped`), or None. Returns
+    ``[..., H_kv, R, d]``. ``math`` (the caller's choice; forced by soft-capping) runs
+    :func:`attention_scores`, softmax and a matmul explicitly in float32; otherwise
+    ``scaled_dot_product_attention``.
+
+    The math path keeps its float32 scores under :data:`SCORE_BLOCK_BYTES`: one matrix ``[R, L]``
+    (a head of a sequence) at a time where all of them together would be larger, and, with
+    ``row_blocks`` (prefill chunks, whose rows need not be computed alike for any row count), runs
+    of rows of one matrix where even that is larger. Each row's result does not depend on the
+    leading-dimension blocking.
     """
     if not math and softcap is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return _blocked_math(q, k if k.is_contiguous() else k.contiguous(), v, mask, scale, softcap, row_blocks)
+
+
+def _blocked_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                  softcap: float | None, row_blocks: bool) -> torch.Tensor:
+    """:func:`folded_attention`'s math path in pieces whose float32 scores stay under
+    :data:`SCORE_BLOCK_BYTES`: runs along the first leading dimension of ``q [..., R, d]`` (whose
+    leading dimensions are the full ones; ``k``, ``v`` and ``mask`` may broadcast), then the next,
+    then (``row_blocks``) runs of rows of one ``[R, L]`` matrix."""
+    lead, rows, keys = q.shape[:-2], q.shape[-2], k.shape[-2]
+    size = prod(lead) * rows * keys * 4
+    if size <= SCORE_BLOCK_BYTES:
+        return _math_attention(q, k, v, mask, scale, softcap)
+    if lead:
+        def at(t: torch.Tensor | None, index: int | slice) -> torch.Tensor | None:
+            if t is None or t.dim() < q.dim():  # broadcasts over q's first dimension
+                return t
+            if t.shape[0] == 1:
+                return t[0] if isinstance(index, int) else t
+            return t[index]
+
+        run = lead[0] * SCORE_BLOCK_BYTES // size
+        if run < 1 or lead[0] == 1:  # one entry at a time, each split further
+            return torch.stack([_blocked_math(q[i], at(k, i), at(v, i), at(mask, i), scale, softcap, row_blocks)
+                                for i in range(lead[0])])
+        return torch.cat([_math_attention(q[i:i + run], at(k, slice(i, i + run)), at(v, slice(i, i + run)),
+                                          at(mask, slice(i, i + run)), scale, softcap)
+                          for i in range(0, lead[0], run)])
+    if not row_blocks:
+        return _math_attention(q, k, v, mask, scale, softcap)
+    step = max(1, SCORE_BLOCK_BYTES // (keys * 4))
+    row_mask = mask is not None and mask.shape[-2] != 1
+    return torch.cat([_math_attention(q[i:i + step], k, v, mask[..., i:i + step, :] if row_mask else mask, scale, softcap)
+                      for i in range(0, rows, step)])
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float, softcap: float | None) -> torch.Tensor:
+    """The explicit path of :func:`folded_attention`, in one piece (same shapes)."""
     return torch.matmul(attention_scores(q, k, mask, scale, softcap).softmax(-1).to(v.dtype), v)
 
 
@@ -244,7 +306,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     the row count (the reproducible mode: its rows are computed alike for any number of rows)."""
     qg = fold_queries(q, k.shape[0])
     math = explicit or use_math_attention(qg.shape[1], q.device)
-    return unfold_rows(folded_attention(qg[None], k[None], v[None], mask, scale, math, softcap)[0], q.shape[0])
+    return unfold_rows(folded_attention(qg[None], k[None], v[None], mask, scale, math, softcap,
+                                        row_blocks=not explicit)[0], q.shape[0])
 
 
 def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float,
