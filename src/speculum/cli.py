@@ -221,9 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests decoded together, one forward per step (continuous batching); default: from the "
                         "calibration, the most sequences whose forward costs at most 3x one sequence's (16 on a "
                         "2-core AVX-512 CPU in bfloat16); 1 decodes one request at a time")
+    s.add_argument("--engines", type=int, default=None,
+                   help="processes that run the model, each with its own copy of the weights and its own batch "
+                        "(requests go to the least busy one); default: 2 on a CPU with at least 2 cores, else 1. "
+                        "Fewer start if memory would not hold the copies. 1 runs the model inside the HTTP process")
     s.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for the model's kernels; default: all cores but one, which is left to the HTTP "
-                        "side (on 2 cores two kernel threads lose more to it than they gain: BENCHMARKS.md)")
+                   help="CPU threads for each engine's kernels; default: with several engines, the cores shared out "
+                        "among them; with one, all cores but one, which is left to the HTTP side (kernels on "
+                        "several threads stall whenever another process takes one of their cores: BENCHMARKS.md)")
     s.add_argument("--prefix-cache-mb", type=int, default=256,
                    help="MiB of recent prompts' KV entries kept so that a prompt starting the same way (a system "
                         "prompt) skips their prefill; per tenant; 0 turns it off (default: %(default)s)")
@@ -512,12 +517,14 @@ def cmd_serve(args) -> int:
     import torch
     import uvicorn
 
-    from .models import load
+    from .models import load, load_tokenizer_and_config
     from .runners import release_if_native, use_runner
     from .server import ServerState, create_app
     from .server.app import SERVABLE_METHODS
+    from .server.engines import EngineConfig, EnginePool, default_engines
     from .server.guard import LOOPBACK_NAMES, GuardSettings
     from .server.limits import RequestLimits
+    from .server.metrics import Metrics
 
     if args.method not in SERVABLE_METHODS:
         raise SpeculumError(f"unknown method {args.method!r}; choose from {', '.join(SERVABLE_METHODS)}")
@@ -529,6 +536,8 @@ def cmd_serve(args) -> int:
         raise SpeculumError("--prefix-cache-mb must be >= 0")
     if args.threads is not None and args.threads < 1:
         raise SpeculumError("--threads must be at least 1")
+    if args.engines is not None and not 1 <= args.engines <= 64:
+        raise SpeculumError("--engines must be in 1..64")
     if not 0 < args.port < 65536:
         raise SpeculumError("--port must be in 1..65535")
     if min(args.max_request_bytes, args.max_json_depth, args.max_grammar_bytes, args.max_prompt_tokens or 1) < 1 \
@@ -545,14 +554,26 @@ def cmd_serve(args) -> int:
                           max_body_bytes=args.max_request_bytes)
     limits = RequestLimits(args.max_json_depth, args.max_grammar_bytes, compile_timeout_s=args.grammar_timeout,
                            max_prompt_tokens=args.max_prompt_tokens)
-    torch.set_num_threads(args.threads or max(1, torch.get_num_threads() - 1))  # one core left to HTTP
-    model, tok = load(args.model, args.dtype, args.device)
-    use_runner(model, args.runner)
-    release_if_native(model)  # the server runs only engine methods
-    state = ServerState(model, tok, args.served_model_name or args.model, args.method, args.max_queue,
-                        args.max_tree, limits, args.share_drafter_state,
-                        deterministic=args.deterministic, max_batch=args.max_batch,
-                        prefix_cache_mb=args.prefix_cache_mb)
+    engines = args.engines or default_engines(args.device)
+    cores = torch.get_num_threads()
+    name = args.served_model_name or args.model
+    if engines > 1:
+        config = EngineConfig(args.model, args.dtype, args.device, args.runner, args.threads or max(1, cores // engines),
+                              args.method, args.max_tree, args.share_drafter_state, args.deterministic,
+                              args.max_batch, args.prefix_cache_mb)
+        tok, _ = load_tokenizer_and_config(args.model)
+        pool = EnginePool(config, engines, Metrics(), args.max_queue)
+        if pool.skipped:
+            print(f"speculum: note: {pool.skipped}", file=sys.stderr)
+        state = ServerState.over_engines(pool, tok, name, args.method, limits, args.share_drafter_state)
+    else:
+        torch.set_num_threads(args.threads or max(1, cores - 1))  # one core left to HTTP
+        model, tok = load(args.model, args.dtype, args.device)
+        use_runner(model, args.runner)
+        release_if_native(model)  # the server runs only engine methods
+        state = ServerState(model, tok, name, args.method, args.max_queue, args.max_tree, limits,
+                            args.share_drafter_state, deterministic=args.deterministic, max_batch=args.max_batch,
+                            prefix_cache_mb=args.prefix_cache_mb)
     if not args.no_access_log:
         logging.getLogger("speculum.access").setLevel(logging.INFO)
     if not keys and args.host not in LOOPBACK_NAMES:
@@ -562,9 +583,10 @@ def cmd_serve(args) -> int:
         print("speculum: note: the reproducible mode is off (it would pad every step with this runner, dtype and "
               "machine: --deterministic forces it); repeated requests verify whole trees", file=sys.stderr)
     mode = "reproducible" if state.deterministic else "whole trees"
-    print(f"speculum: serving {state.model_name!r} ({args.method}, {mode}, up to {state.max_batch} requests per "
-          f"forward) on http://{args.host}:{args.port}/v1",
-          file=sys.stderr)
+    running = len(state.worker.engines) if engines > 1 else 1
+    print(f"speculum: serving {state.model_name!r} ({args.method}, {mode}, {running} engine"
+          f"{'s' if running > 1 else ''}, up to {state.max_batch} requests per forward) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(create_app(state, guard, split(args.allowed_origins)), host=args.host, port=args.port,
                 log_level="warning")
     state.close()

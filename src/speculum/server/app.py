@@ -81,7 +81,7 @@ class ServerState:
     def __init__(self, model, tokenizer, model_name: str, method: str = "auto", max_queue: int = 16,
                  max_tree: int = 64, limits: RequestLimits | None = None, share_drafter_state: bool = False,
                  max_tenants: int = 64, deterministic: bool | None = None, max_batch: int | None = None,
-                 prefix_cache_mb: int = 256):
+                 prefix_cache_mb: int = 256, worker: bool = True):
         if method not in SERVABLE_METHODS:
             raise SpeculumError(f"unknown method {method!r}; choose from {', '.join(SERVABLE_METHODS)}")
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
@@ -102,26 +102,52 @@ class ServerState:
         self.chains_only = self.deterministic
         self.context = self.runner.max_positions
         self.eos_ids = default_eos_ids(model, tokenizer)
+        self.vocab_size = self.runner.vocab_size
         self.tenants: OrderedDict[str, dict[str, object]] = OrderedDict()
         self._tenants_lock = threading.Lock()
-        self.metrics = Metrics()
         self.get_method(method)  # build (and calibrate) the default method before serving
-        try:  # built once here (it holds the interpreter ~0.3 s), not inside a request
-            ll_tokenizer(tokenizer, self.runner.vocab_size, self.eos_ids)
-        except SpeculumError:
-            pass  # no end-of-sequence token or an unusable tokenizer: constrained requests say so
-        self.prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculum-prep")
-        # grammars compile on their own threads: a compilation past its timeout cannot be stopped,
-        # and must not hold up the parsing and tokenizing of other requests meanwhile
-        self.compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculum-compile")
         if max_batch is None:
             max_batch = default_max_batch(load_or_measure(self.runner))
         if max_batch < 1:
             raise SpeculumError(f"max_batch must be at least 1, got {max_batch}")
         self.max_batch = max_batch
         self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
-        batcher = Batcher(self.runner, max_batch, prefix_cache=self.prefix_cache)
-        self.worker = Worker(self.get_method, self.metrics, batcher, max_queue)
+        self.batcher = Batcher(self.runner, max_batch, prefix_cache=self.prefix_cache)
+        if worker:  # else an engine process (.engines), which steps the batcher itself
+            metrics = Metrics()
+            self._serve(metrics, Worker(self.get_method, metrics, self.batcher, max_queue))
+
+    @classmethod
+    def over_engines(cls, pool, tokenizer, model_name: str, method: str = "auto",
+                     limits: RequestLimits | None = None, share_drafter_state: bool = False,
+                     max_tenants: int = 64) -> ServerState:
+        """The HTTP side of a server whose model runs in the engine processes of ``pool`` (an
+        :class:`~.engines.EnginePool`; no model in this process)."""
+        if method not in SERVABLE_METHODS:
+            raise SpeculumError(f"unknown method {method!r}; choose from {', '.join(SERVABLE_METHODS)}")
+        self = cls.__new__(cls)
+        self.model, self.runner, self.tokenizer, self.model_name = None, None, tokenizer, model_name
+        self.default_method, self.limits = method, limits or RequestLimits()
+        self.share_drafter_state, self.max_tenants = share_drafter_state, max_tenants
+        info = pool.info
+        self.max_tree, self.deterministic, self.max_batch = info["max_tree"], info["deterministic"], info["max_batch"]
+        self.chains_only = self.deterministic
+        self.context, self.eos_ids, self.vocab_size = info["context"], info["eos_ids"], info["vocab_size"]
+        self._serve(pool.metrics, pool)
+        return self
+
+    def _serve(self, metrics: Metrics, worker) -> None:
+        """The HTTP side's parts: metrics, worker (a :class:`~.worker.Worker` or an
+        :class:`~.engines.EnginePool`), preparation threads."""
+        self.metrics, self.worker = metrics, worker
+        try:  # built once here (it holds the interpreter ~0.3 s), not inside a request
+            ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
+        except SpeculumError:
+            pass  # no end-of-sequence token or an unusable tokenizer: constrained requests say so
+        self.prep = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculum-prep")
+        # grammars compile on their own threads: a compilation past its timeout cannot be stopped,
+        # and must not hold up the parsing and tokenizing of other requests meanwhile
+        self.compile_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="speculum-compile")
         self.created = int(time.time())
 
     def tenant(self, api_key_index: int | None, cache_salt: str | None) -> str:
@@ -209,8 +235,8 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
             ids = (await state.off_loop(state.tokenizer, req.prompt))["input_ids"]
         else:
             ids = list(req.prompt)
-            if not ids or min(ids) < 0 or max(ids) >= state.runner.vocab_size:
-                raise APIError(f"prompt token ids must be non-empty and lie in [0, {state.runner.vocab_size})",
+            if not ids or min(ids) < 0 or max(ids) >= state.vocab_size:
+                raise APIError(f"prompt token ids must be non-empty and lie in [0, {state.vocab_size})",
                                param="prompt")
         return await _serve(request, req, ids, chat=False)
 
@@ -326,7 +352,7 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
             raise SpeculumError("speculum.close_reserve needs a constraint (response_format, regex, choice or grammar)")
         if spec is None:
             return None
-        return compile_constraint(spec, state.tokenizer, state.runner.vocab_size, state.eos_ids, close_reserve)
+        return compile_constraint(spec, state.tokenizer, state.vocab_size, state.eos_ids, close_reserve)
 
     async def _stream(request: Request, job: Job, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
         text = StreamingText(state.tokenizer, job.stop)

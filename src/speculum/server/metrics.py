@@ -28,6 +28,8 @@ class Metrics:
         self.generation_tokens = Counter("speculum:generation_tokens", "Tokens generated", registry=r)
         self.running = Gauge("speculum:num_requests_running", "Requests being generated", registry=r)
         self.waiting = Gauge("speculum:num_requests_waiting", "Requests queued", registry=r)
+        self.engine_requests = Counter("speculum:engine_requests", "Requests started on each engine process",
+                                       ["engine"], registry=r)
         self.prefix_hit_tokens = Counter("speculum:prefix_cache_hit_tokens",
                                          "Prompt tokens whose KV entries came from the prefix cache", registry=r)
         self.ttft = Histogram("speculum:time_to_first_token_seconds", "Time to first token (queue included)",

@@ -1,0 +1,358 @@
+"""Engine processes: the model served by ``N`` processes, each with its own copy of the weights, its
+own :class:`~speculum.batching.Batcher` and (by default) one kernel thread, behind the HTTP
+process (data parallelism on one machine, as vLLM's ``--data-parallel-size``).
+
+Why, on a CPU: a forward's kernels spread over several threads stall whenever another process
+takes one of their cores (each parallel region waits for its slowest thread), and the HTTP side
+and the clients always take some. Measured on the 2-core development machine (bfloat16, `auto`,
+mixed Spec-Bench prompts, 64 new tokens): one engine on 2 kernel threads made 143 tok/s alone and
+83 tok/s while another process used ~10% of one core; two single-threaded engines made ~220
+tok/s together where one made 119. An engine on one thread loses only the CPU time taken from it.
+
+Requests are dispatched when an engine has a free batch slot, to the engine running the fewest
+(on a tie, the one that served the request's tenant last, whose drafters and prefix cache know
+it); the others wait here, in one bounded queue. Drafter state and the prefix cache are per engine.
+
+Messages over each engine's pipe (pickled):
+
+- to the engine: ``("submit", jid, EngineJob)``, ``("cancel", jid)``, ``("close",)``;
+- from it: ``("ready", info)`` or ``("fatal", text)`` once, then ``(jid, "tokens", [ids])``,
+  ``(jid, "done", (result, reused_prompt_tokens))``, ``(jid, "error", exception)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..errors import SpeculumError
+from ..sampling import SamplingParams
+from .metrics import Metrics
+from .worker import Job, QueueFull
+
+log = logging.getLogger("speculum.server")
+STARTUP_S = 900.0  # an engine's model load and first calibration
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What each engine process loads and how it serves (the ``serve`` options it needs)."""
+
+    model: str = "default"
+    dtype: str | None = None
+    device: str | None = None
+    runner: str = "auto"
+    threads: int = 1
+    method: str = "auto"
+    max_tree: int = 64
+    share_drafter_state: bool = False
+    deterministic: bool | None = None
+    max_batch: int | None = None
+    prefix_cache_mb: int = 256
+
+
+@dataclass
+class EngineJob:
+    """A :class:`~.worker.Job` as an engine receives it: the constraint travels as its spec and is
+    compiled again there (from that process's cache)."""
+
+    method: str
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    seed: int | None
+    constraint: tuple | None  # (ConstraintSpec, close_reserve)
+    tenant: str
+
+
+def _picklable(e: BaseException) -> BaseException:
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:  # noqa: BLE001 - any exception must reach the client as text at least
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def _engine_main(conn, config: EngineConfig) -> None:  # pragma: no cover - runs in the engine process
+    """An engine process: load, report ``ready``, then decode what arrives, one batched step at a time."""
+    import torch
+
+    torch.set_num_threads(config.threads)
+    try:
+        from ..constrain import compile_constraint
+        from ..models import load
+        from ..runners import release_if_native, use_runner
+        from .app import ServerState
+
+        model, tok = load(config.model, config.dtype, config.device)
+        use_runner(model, config.runner)
+        release_if_native(model)
+        state = ServerState(model, tok, config.model, config.method, max_tree=config.max_tree,
+                            share_drafter_state=config.share_drafter_state, deterministic=config.deterministic,
+                            max_batch=config.max_batch, prefix_cache_mb=config.prefix_cache_mb, worker=False)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    except BaseException as e:  # noqa: BLE001 - reported to the HTTP process, which refuses to start
+        conn.send(("fatal", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", {"deterministic": state.deterministic, "max_batch": state.max_batch,
+                         "max_tree": state.max_tree, "context": state.context, "eos_ids": state.eos_ids,
+                         "vocab_size": state.vocab_size, "weight_bytes": weights}))
+
+    from ..batching import BatchRequest
+
+    batcher, live = state.batcher, {}
+
+    def start(jid: int, job: EngineJob) -> None:
+        try:
+            method = state.get_method(job.method, job.tenant)
+            grammar = None
+            if job.constraint is not None:
+                spec, reserve = job.constraint
+                grammar = compile_constraint(spec, tok, state.vocab_size, state.eos_ids, reserve)
+        except Exception as e:  # noqa: BLE001 - that request's error
+            conn.send((jid, "error", _picklable(e)))
+            return
+
+        def done(result) -> None:
+            request = live.pop(jid)
+            conn.send((jid, "done", (result, request.reused)))
+
+        def failed(e: Exception) -> None:
+            live.pop(jid, None)
+            conn.send((jid, "error", _picklable(e)))
+
+        live[jid] = BatchRequest(method.engine, job.prompt_ids, job.max_tokens, job.sampling, job.stop, job.seed,
+                                 grammar, job.tenant, lambda ids: conn.send((jid, "tokens", ids)), done, failed)
+        batcher.submit(live[jid])
+
+    try:
+        while True:
+            while conn.poll(None if batcher.idle else 0):
+                msg = conn.recv()
+                if msg[0] == "close":
+                    return
+                if msg[0] == "cancel":
+                    request = live.pop(msg[1], None)
+                    if request is not None:
+                        request.cancelled = True
+                elif msg[0] == "submit":
+                    start(msg[1], msg[2])
+            if batcher.idle:
+                continue
+            try:
+                batcher.step()
+            except Exception as e:
+                log.exception("generation failed")
+                for jid, request in list(live.items()):
+                    request.cancelled = True
+                    conn.send((jid, "error", _picklable(e)))
+                live.clear()
+                batcher.step()  # retire the failed requests (frees their slots)
+    except (EOFError, OSError, KeyboardInterrupt):
+        return  # the HTTP process went away
+
+
+@dataclass
+class _Engine:
+    index: int
+    process: mp.Process
+    conn: object
+    jobs: dict[int, Job] = field(default_factory=dict)
+    alive: bool = True
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class EnginePool:
+    """``engines`` engine processes behind one bounded queue; the :class:`~.worker.Worker` interface
+    (:meth:`submit`, :meth:`cancel`, :meth:`close`, ``max_batch``) for the HTTP app.
+
+    Engines start one after another (the first may calibrate; the others find its results). An
+    engine is started only while the machine's available memory holds another copy of the weights
+    with room to spare; ``started`` says how many run."""
+
+    def __init__(self, config: EngineConfig, engines: int, metrics: Metrics, max_queue: int = 16):
+        if engines < 1:
+            raise SpeculumError(f"engines must be at least 1, got {engines}")
+        self.config, self.metrics, self.max_queue = config, metrics, max_queue
+        self._lock = threading.RLock()
+        self._waiting: deque[Job] = deque()
+        self._ids = itertools.count()
+        self._last_engine: dict[str, int] = {}
+        self._mean_request_s = 1.0
+        self.engines: list[_Engine] = []
+        self.info: dict = {}
+        self.skipped: str | None = None
+        ctx = mp.get_context("spawn")  # never fork a process that holds torch's thread pools
+        for i in range(engines):
+            if i > 0:
+                free = _available_memory()
+                if free is not None and free < 2 * self.info["weight_bytes"]:
+                    self.skipped = (f"started {i} of {engines} engines: {free >> 20} MiB of memory available, "
+                                    f"each engine holds {self.info['weight_bytes'] >> 20} MiB of weights")
+                    break
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=_engine_main, args=(child, config), name=f"speculum-engine-{i}", daemon=True)
+            process.start()
+            child.close()
+            if not parent.poll(STARTUP_S):
+                process.kill()
+                self.close()
+                raise SpeculumError(f"engine {i} did not start within {STARTUP_S:g} s")
+            try:
+                msg = parent.recv()
+            except EOFError:
+                msg = ("fatal", f"the process exited with code {process.join(5) or process.exitcode}")
+            if msg[0] != "ready":
+                self.close()
+                raise SpeculumError(f"engine {i} failed to start: {msg[1]}")
+            self.info = self.info or msg[1]
+            self.engines.append(_Engine(i, process, parent))
+        self.max_batch = self.info["max_batch"]
+        self._running = metrics.running
+        self.per_engine = metrics.engine_requests
+        for e in self.engines:
+            threading.Thread(target=self._read, args=(e,), name=f"speculum-engine-{e.index}-reader",
+                             daemon=True).start()
+
+    # -- the Worker interface --------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if not any(e.alive for e in self.engines):
+                raise SpeculumError("no engine is running (see the server log)")
+            free = sum(self.max_batch - len(e.jobs) for e in self.engines if e.alive)
+            if len(self._waiting) >= self.max_queue and free <= 0:
+                per_slot = self._mean_request_s / (self.max_batch * len(self.engines))
+                raise QueueFull(f"the server is busy: {len(self._waiting)} requests are already waiting "
+                                f"(--max-queue {self.max_queue}); retry later",
+                                max(1, round(len(self._waiting) * per_slot)))
+            job.queued = True
+            self._waiting.append(job)
+            self._dispatch()
+
+    def cancel(self, job: Job) -> None:
+        with self._lock:
+            job.cancelled.set()
+            if job.queued:
+                job.queued = False
+                self._waiting.remove(job)
+                self.metrics.waiting.set(len(self._waiting))
+                return
+            for e in self.engines:
+                for jid, j in list(e.jobs.items()):
+                    if j is job:
+                        del e.jobs[jid]
+                        self._send(e, ("cancel", jid))
+                        self.metrics.cancelled.inc()
+                        job.emit("cancelled", None)
+                        self._dispatch()
+                        return
+
+    def close(self) -> None:
+        for e in self.engines:
+            try:
+                e.conn.send(("close",))
+            except (OSError, ValueError):
+                pass
+        for e in self.engines:
+            e.process.join(timeout=10)
+            if e.process.is_alive():
+                e.process.kill()
+
+    # -- inside ------------------------------------------------------------------------------------
+
+    def _send(self, e: _Engine, msg: tuple) -> None:
+        try:
+            e.conn.send(msg)
+        except (OSError, ValueError) as exc:  # the engine died: its reader fails its jobs
+            log.error("engine %d: %s", e.index, exc)
+
+    def _dispatch(self) -> None:
+        """Start waiting jobs on engines with a free slot (under the lock)."""
+        while self._waiting:
+            open_ = [e for e in self.engines if e.alive and len(e.jobs) < self.max_batch]
+            if not open_:
+                break
+            job = self._waiting.popleft()
+            job.queued = False
+            least = min(len(e.jobs) for e in open_)
+            last = self._last_engine.get(job.tenant)
+            e = next((e for e in open_ if e.index == last and len(e.jobs) == least),
+                     next(e for e in open_ if len(e.jobs) == least))
+            jid = next(self._ids)
+            e.jobs[jid] = job
+            self._last_engine[job.tenant] = e.index
+            job.started = time.perf_counter()
+            g = job.grammar
+            self._send(e, ("submit", jid, EngineJob(job.method, job.prompt_ids, job.max_tokens, job.sampling, job.stop,
+                                                    job.seed, None if g is None else (g.spec, g.close_reserve),
+                                                    job.tenant)))
+            self.per_engine.labels(str(e.index)).inc()
+        self.metrics.waiting.set(len(self._waiting))
+        self._running.set(sum(len(e.jobs) for e in self.engines))
+
+    def _read(self, e: _Engine) -> None:
+        """Deliver engine ``e``'s events to their jobs' clients."""
+        while True:
+            try:
+                jid, kind, value = e.conn.recv()
+            except (EOFError, OSError):
+                with self._lock:
+                    e.alive = False
+                    lost = list(e.jobs.values())
+                    e.jobs.clear()
+                    self._dispatch()
+                if lost:
+                    log.error("engine %d exited with %d requests running", e.index, len(lost))
+                for job in lost:
+                    job.emit("error", RuntimeError(f"engine {e.index} exited"))
+                return
+            with self._lock:
+                job = e.jobs.get(jid)
+                if job is None:  # cancelled meanwhile
+                    continue
+                if kind == "tokens":
+                    if job.first_token is None:
+                        job.first_token = time.perf_counter()
+                    job.emit("tokens", value)
+                    continue
+                del e.jobs[jid]
+                if kind == "done":
+                    result, reused = value
+                    end = time.perf_counter()
+                    ttft = job.first_token - job.submitted if job.first_token is not None else None
+                    self.metrics.record(job.method, result, ttft, job.started - job.submitted, end - job.submitted)
+                    self.metrics.prefix_hit_tokens.inc(reused)
+                    self._mean_request_s = 0.8 * self._mean_request_s + 0.2 * (end - job.started)
+                    job.emit("done", result)
+                else:
+                    job.emit("error", value)
+                self._dispatch()
+
+
+def default_engines(device: str | None) -> int:
+    """Engine processes ``serve`` starts by default: two on a CPU with at least two cores (one kernel
+    thread each on two cores), else one."""
+    from ..models import default_device
+
+    if (device or default_device()) != "cpu":
+        return 1
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
