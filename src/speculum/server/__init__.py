@@ -3,7 +3,8 @@
 - :mod:`.protocol`: request shapes and OpenAI-shaped errors.
 - :mod:`.guard`: Host, API key, JSON-only and body-size checks, and the access log.
 - :mod:`.limits`: bounds on nesting, constraint size and compile time.
-- :mod:`.worker`: the generation thread behind a bounded queue.
+- :mod:`.worker`: the generation thread behind a bounded queue (one engine, in the HTTP process).
+- :mod:`.engines`: engine processes, each with its own weights and batch, behind one bounded queue.
 - :mod:`.metrics`: Prometheus metrics.
 - :mod:`.app`: the routes.
 """
