@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -139,6 +140,34 @@ def gemma3_f32():
     import speculum
 
     return speculum.load("gemma3", dtype="float32")
+
+
+@contextlib.contextmanager
+def serving(state):
+    """``state``'s app served on loopback (:func:`serve_in_thread`) for the ``with`` block, which
+    gets ``(state, url)``; the server stops and ``state`` closes after it."""
+    from speculum.server import create_app
+
+    srv, thread, port = serve_in_thread(create_app(state))
+    try:
+        yield state, f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+        state.close()
+
+
+def openai_client(url: str):
+    """The official client for a test server at ``url`` (no retries: a refusal must show)."""
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(client, text: str, **kw):
+    """A greedy one-message chat completion from ``smollm2``."""
+    return client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": text}],
+                                          temperature=0, **kw)
 
 
 def serve_in_thread(app):

@@ -146,6 +146,32 @@ def test_batch_greedy_equals_solo_ar_for_every_drafter(tiny_model, max_batch):
     assert any(r.reused == len(r.prompt_ids) - 1 for r in again)
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "streaming", "kv_quant"])
+def test_kv_policy_requests_share_a_batch_with_plain_ones(tiny_model, policy):
+    """Requests under a KV policy (a PolicyRunner over the batcher's runner) run beside plain ones:
+    each gives the output its engine gives it alone (plain ones ``ar``'s), as requests join and
+    leave. (Speculation under a lossy policy need not equal ``ar`` under it: StreamingLLM's window
+    moves with each step's length.)"""
+    from speculum.kv import make_policy
+
+    runner = NativeRunner(tiny_model)
+    ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
+    ngram = Engine(runner, NgramDrafter(), eos_token_ids=[])
+    lossy = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[], kv_policy=make_policy(policy, "16"))
+    spec = Engine(runner, NgramDrafter(), eos_token_ids=[], kv_policy=make_policy(policy, "16"))
+    prompts = _prompts(10, 7)
+    prompts = [p + p[:8] * 3 for p in prompts]  # past the policy's budget
+    reqs, want = [], []
+    for i, p in enumerate(prompts):
+        engine = [ar, ngram, lossy, spec][i % 4]
+        n = 6 + 3 * i
+        want.append((ar if engine is ngram else engine).generate(p, n).tokens)
+        reqs.append(BatchRequest(engine, p, n))
+    batcher = Batcher(runner, max_batch=3, prefill_chunk=16)
+    assert [r.tokens for r in batcher.run(reqs)] == want
+    assert batcher.pool.used == 0
+
+
 def test_default_model_batch_equals_solo(smollm2_f32):
     model, tok = smollm2_f32
     import speculum

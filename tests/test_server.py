@@ -14,11 +14,11 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import serve_in_thread
+from conftest import chat, openai_client, serving
 
 from speculum.methods import build_method
 from speculum.prompts import encode_prompt
-from speculum.server import ServerState, create_app
+from speculum.server import ServerState
 
 pytestmark = pytest.mark.slow
 
@@ -31,22 +31,16 @@ PERSON = {"type": "object",
 @pytest.fixture(scope="module")
 def server(smollm2_f32):
     model, tok = smollm2_f32
-    state = ServerState(model, tok, "smollm2", method="ngram", max_queue=16, max_batch=4)
-    srv, thread, port = serve_in_thread(create_app(state))
-    yield state, f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
-    state.close()
+    with serving(ServerState(model, tok, "smollm2", method="ngram", max_queue=16, max_batch=4)) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server[1])
 
 
-def _chat(client, text, **kw):
-    return client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": text}],
-                                          temperature=0, **kw)
+_chat = chat
 
 
 def test_models_health_and_metrics(server, client):
@@ -226,12 +220,39 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, clien
         "speculum.method"
     assert "close_reserve" in _error(post("/chat/completions", {**chat, "speculum": {"close_reserve": 8}}),
                                      400)["message"]
+    assert _error(post("/chat/completions", {**chat, "speculum": {"kv_policy": "lru"}}), 400)["param"] == \
+        "speculum.kv_policy"
+    assert _error(post("/chat/completions", {**chat, "speculum": {"kv_policy": "snapkv", "kv_budget": "lots"}}),
+                  400)["param"] == "speculum.kv_policy"
+    assert _error(post("/chat/completions", {**chat, "speculum": {"kv_budget": 64}}), 400)["param"] == \
+        "speculum.kv_budget"
     assert _error(post("/chat/completions", {**chat, "model": "gpt-9"}), 404)["code"] == "model_not_found"
     assert _error(httpx.get(url + "/nope"), 404)["code"] == "not_found"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "x"}], max_tokens=0)
     assert _chat(client, "Still there?", max_tokens=4).choices[0].message.content  # still serving
     assert "speculum:request_rejected_total" in httpx.get(server[1] + "/metrics").text
+
+
+@pytest.mark.parametrize("method", ["ar", "ngram"])
+def test_a_kv_policy_per_request_equals_the_engine_alone(server, client, method):
+    """``speculum.kv_policy``: that request runs on the policy's runner, beside the others; its
+    text is what the same method under the same policy gives alone."""
+    from speculum.kv import make_policy
+
+    state = server[0]
+    prompt = ("Here is a list of fruits: apple, banana, cherry, date, elderberry, fig, grape. " * 6
+              + "Which fruit comes after cherry?")
+    ids = encode_prompt(state.tokenizer, prompt)
+    with ThreadPoolExecutor(2) as ex:  # a plain request in the same batch
+        plain = ex.submit(_chat, client, "Name two rivers.", max_tokens=12)
+        out = _chat(client, prompt, max_tokens=16, extra_body={"speculum": {"method": method, "kv_policy": "snapkv",
+                                                                            "kv_budget": 48}})
+        plain.result()
+    alone = build_method(method, state.model, state.tokenizer, runner=state.runner,
+                         kv_policy=make_policy("snapkv", "48")).run(ids, 16)
+    assert out.choices[0].message.content == alone.text
+    assert out.usage.prompt_tokens == len(ids) > 48
 
 
 def test_spec_decode_metrics_per_method(server, client):

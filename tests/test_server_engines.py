@@ -12,15 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import jsonschema
-import openai
 import pytest
-from conftest import serve_in_thread
+from conftest import chat, openai_client, serving
 
 from speculum.cli import main as cli_main
 from speculum.methods import build_method
 from speculum.models import load_tokenizer_and_config
 from speculum.prompts import encode_prompt
-from speculum.server import ServerState, create_app
+from speculum.server import ServerState
 from speculum.server.engines import EngineConfig, EnginePool
 from speculum.server.metrics import Metrics
 
@@ -34,22 +33,16 @@ PROMPTS = ["List three colours of the rainbow.", "Name two planets.", "Count fro
 def server():
     tok, _ = load_tokenizer_and_config("default")
     pool = EnginePool(EngineConfig(dtype="float32", method="ngram", max_batch=2), 2, Metrics(), max_queue=16)
-    state = ServerState.over_engines(pool, tok, "smollm2", "ngram")
-    srv, thread, port = serve_in_thread(create_app(state))
-    yield state, f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
-    state.close()
+    with serving(ServerState.over_engines(pool, tok, "smollm2", "ngram")) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(server[1])
 
 
-def _chat(client, text, **kw):
-    return client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": text}],
-                                          temperature=0, **kw)
+_chat = chat
 
 
 def _engine_counts(url: str) -> dict[str, float]:
@@ -84,6 +77,17 @@ def test_streaming_and_a_json_schema_through_an_engine(client):
     out = _chat(client, "Invent a person as JSON.", max_tokens=60,
                 response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema, "strict": True}})
     jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+
+
+def test_a_kv_policy_request_through_an_engine(client, smollm2_f32):
+    from speculum.kv import make_policy
+
+    model, tok = smollm2_f32
+    prompt = "Colours: red, green, blue, cyan, magenta, yellow, black, white. " * 6 + "Which colour is first?"
+    out = _chat(client, prompt, max_tokens=12,
+                extra_body={"speculum": {"method": "ar", "kv_policy": "streaming", "kv_budget": 40}})
+    alone = build_method("ar", model, tok, kv_policy=make_policy("streaming", "40")).run(encode_prompt(tok, prompt), 12)
+    assert out.choices[0].message.content == alone.text
 
 
 def test_a_disconnected_stream_frees_its_slot(server, client):

@@ -13,7 +13,11 @@ loops over :meth:`Batcher.step`:
    the forward where they buy the most tokens (:meth:`~speculum.tree_sizing.TreeSizer.select_batch`);
 4. **retire** finished or cancelled requests and free their slots; others join on the next step.
 
-Requests may use different engines (methods) as long as they share the runner.
+Requests may use different engines (methods). Those whose engine runs on the batcher's runner
+share its forwards; a request on another runner (a KV policy's :class:`~speculum.runners.PolicyRunner`
+over the same model) takes a cache from that runner's own pool, is prefilled whole, and steps with
+the others of its runner in a forward of their own (a policy's runner has no batched forward: it
+runs them one after another).
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class Batcher:
             raise SpeculumError(f"max_batch must be at least 1, got {max_batch}")
         self.runner, self.max_batch, self.prefill_chunk = runner, max_batch, prefill_chunk
         self.pool = runner.new_pool(max_batch)
+        self._pools: dict[int, tuple[object, object]] = {id(runner): (runner, self.pool)}  # runner, its pool
         self.prefix_cache, self.sizer = prefix_cache, sizer
         self.fused_prefill = fused_prefill and getattr(runner, "chunked_prefill", True)
         self.waiting: deque[BatchRequest] = deque()
@@ -82,9 +87,17 @@ class Batcher:
 
     def submit(self, request: BatchRequest) -> None:
         """Queue ``request``; it starts at a later :meth:`step` once a slot is free."""
-        if request.engine.runner is not self.runner:
-            raise SpeculumError("a batched request must use the batcher's runner")
+        runner = request.engine.runner
+        if runner is not self.runner and getattr(runner, "inner", None) is not self.runner:
+            raise SpeculumError("a batched request must use the batcher's runner, or a KV policy's runner over it")
         self.waiting.append(request)
+
+    def _pool(self, runner):
+        """The cache pool of ``runner`` (the batcher's, or a side runner's, made on first use)."""
+        entry = self._pools.get(id(runner))
+        if entry is None:
+            entry = self._pools[id(runner)] = (runner, runner.new_pool(self.max_batch))
+        return entry[1]
 
     @property
     def idle(self) -> bool:
@@ -96,8 +109,12 @@ class Batcher:
         request (in the same forward unless ``fused_prefill`` is off), retire."""
         self._admit()
         self._retire()
+        for r in [r for r in self.running if r.engine.runner is not self.runner and not r.decoding.prefilled]:
+            self._prefill_side(r)
         chunks = self._chunks()
         ready = [r for r in self.running if r.decoding.prefilled and r.decoding.reason is None]
+        side = [r for r in ready if r.engine.runner is not self.runner]
+        ready = [r for r in ready if r.engine.runner is self.runner]
         if not ready or not self.fused_prefill:
             for r, ids in chunks:  # prefill on its own
                 self._prefill(r, ids)
@@ -112,10 +129,31 @@ class Batcher:
                 return
             for r, _ in chunks:
                 self._prefilled(r)
-            for r, new in zip(ready, news):
-                if new and r.on_tokens is not None:
-                    r.on_tokens(new)
+            self._deliver(ready, news)
+        for runner in {id(r.engine.runner): r.engine.runner for r in side}.values():
+            group = [r for r in side if r.engine.runner is runner]
+            try:
+                news = step([r.decoding for r in group], self.sizer)
+            except Exception as e:  # noqa: BLE001 - as above
+                for r in group:
+                    self._fail(r, e)
+                continue
+            self._deliver(group, news)
         self._retire()
+
+    @staticmethod
+    def _deliver(requests: list[BatchRequest], news: list[list[int]]) -> None:
+        for r, new in zip(requests, news):
+            if new and r.on_tokens is not None:
+                r.on_tokens(new)
+
+    def _prefill_side(self, r: BatchRequest) -> None:
+        """Prefill a side runner's request whole, in a forward of its own (a KV policy builds its
+        compressed cache from the whole prompt, layer by layer)."""
+        try:
+            r.decoding.prefill_some(r.decoding.to_prefill)
+        except Exception as e:  # noqa: BLE001 - reported to that request alone
+            self._fail(r, e)
 
     def _chunks(self) -> list[tuple[BatchRequest, list[int]]]:
         """This step's prompt chunks: at most ``prefill_chunk`` tokens in all, oldest request first.
@@ -123,7 +161,7 @@ class Batcher:
         budget, out = self.prefill_chunk, []
         for r in self.running:
             d = r.decoding
-            if d.prefilled:
+            if d.prefilled or d.reason is not None or r.engine.runner is not self.runner:
                 continue
             if d.to_prefill == 0:
                 d.chunk_done(0)
@@ -151,7 +189,8 @@ class Batcher:
             r = self.waiting.popleft()
             if r.cancelled:
                 continue
-            cache = self.pool.acquire()
+            pool = self._pool(r.engine.runner)
+            cache = pool.acquire()
             try:
                 if self.prefix_cache is not None and isinstance(cache, SlotCache):
                     entries = self.prefix_cache.lookup(r.tenant, r.prompt_ids)
@@ -162,7 +201,7 @@ class Batcher:
                 r.decoding = r.engine.start(r.prompt_ids, r.max_new_tokens, r.sampling, r.stop, r.seed, r.grammar,
                                             cache=cache, drafter=drafter, prefill=False)
             except Exception as e:  # noqa: BLE001 - reported to that request alone
-                self.pool.release(cache)
+                pool.release(cache)
                 self._fail(r, e, started=False)
                 continue
             if self.sizer is None:
@@ -206,7 +245,7 @@ class Batcher:
             if d.reason is None:
                 keep.append(r)
                 continue
-            self.pool.release(d.cache)
+            self._pool(r.engine.runner).release(d.cache)
             if d.reason != "error" and not r.cancelled:
                 result = d.finish()
                 if r.on_done is not None:

@@ -33,6 +33,7 @@ from ..calibrate import default_max_batch, load_or_measure
 from ..constrain import Grammar, compile_constraint, ll_tokenizer, pick_constraint
 from ..engine import default_eos_ids
 from ..errors import SpeculumError
+from ..kv import make_policy
 from ..methods import ENGINE_METHODS, build_method
 from ..prompts import encode_messages
 from ..runners import NativeRunner, runner_for
@@ -45,6 +46,7 @@ from .protocol import APIError, ChatCompletionRequest, CommonParams, CompletionR
 from .worker import Job, QueueFull, Worker
 
 SERVABLE_METHODS = tuple(m for m in ENGINE_METHODS if m != "draft_model")
+MAX_POLICY_METHODS = 8  # KV-policy variants of its methods a tenant keeps built (ServerState.get_method)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length",
           "closed": "length"}  # the budget closer ended a cut-off output validly
 
@@ -156,18 +158,30 @@ class ServerState:
             return ""
         return json.dumps([api_key_index, cache_salt])
 
-    def get_method(self, name: str, tenant: str = ""):
+    def get_method(self, name: str, tenant: str = "", kv: tuple[str, str] | None = None):
+        """``tenant``'s method ``name``, on the full cache or (``kv``: a KV policy and its budget,
+        :func:`~speculum.kv.make_policy`) on that policy's runner; built on first use. A tenant
+        keeps its :data:`MAX_POLICY_METHODS` most recently used policy variants."""
         with self._tenants_lock:
             methods = self.tenants.get(tenant)
             if methods is None:
-                methods = self.tenants[tenant] = {}
+                methods = self.tenants[tenant] = OrderedDict()
                 while len(self.tenants) > self.max_tenants:
                     self.tenants.popitem(last=False)
             self.tenants.move_to_end(tenant)
-        if name not in methods:
-            methods[name] = build_method(name, self.model, self.tokenizer, runner=self.runner,
-                                         max_tree=self.max_tree, chains_only=self.chains_only)
-        return methods[name]
+            key = name if kv is None else (name, *kv)
+            method = methods.get(key)
+            if method is not None:
+                methods.move_to_end(key)
+                return method
+        method = build_method(name, self.model, self.tokenizer, runner=self.runner, max_tree=self.max_tree,
+                              chains_only=self.chains_only, kv_policy=None if kv is None else make_policy(*kv))
+        with self._tenants_lock:
+            method = methods.setdefault(key, method)
+            variants = [k for k in methods if isinstance(k, tuple)]
+            for old in variants[:max(0, len(variants) - MAX_POLICY_METHODS)]:
+                del methods[old]
+        return method
 
     def close(self) -> None:
         self.worker.close()
@@ -323,6 +337,15 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
             raise APIError(f"unknown speculum method {method!r}; choose from {', '.join(SERVABLE_METHODS)}",
                            param="speculum.method")
         check_constraint_size(req, state.limits)
+        kv = None
+        if opts is not None and opts.kv_policy not in (None, "", "full"):
+            kv = (opts.kv_policy, str(opts.kv_budget if opts.kv_budget is not None else "0.25"))
+            try:
+                make_policy(*kv)  # refused here, with a 400, rather than in the engine
+            except SpeculumError as e:
+                raise APIError(str(e), param="speculum.kv_policy") from None
+        elif opts is not None and opts.kv_budget is not None:
+            raise APIError("speculum.kv_budget needs speculum.kv_policy", param="speculum.kv_budget")
         try:
             sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
             grammar = await state.off_loop(_grammar, req, timeout=state.limits.compile_timeout_s,
@@ -333,7 +356,7 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
             raise APIError(f"the constraint took longer than {state.limits.compile_timeout_s:g} s to compile "
                            f"(--grammar-timeout)", param="response_format", code="grammar_too_large") from None
         return Job(method, ids, max_tokens, sampling, req.stop_list(), req.seed, grammar, asyncio.get_running_loop(),
-                   tenant=tenant)
+                   tenant=tenant, kv=kv)
 
     def _grammar(req: CommonParams) -> Grammar | None:
         rf, opts = req.response_format, req.speculum

@@ -33,9 +33,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..errors import SpeculumError
-from ..sampling import SamplingParams
 from .metrics import Metrics
-from .worker import Job, QueueFull
+from .worker import Generation, Job, QueueFull
 
 log = logging.getLogger("speculum.server")
 STARTUP_S = 900.0  # an engine's model load and first calibration
@@ -59,18 +58,13 @@ class EngineConfig:
 
 
 @dataclass
-class EngineJob:
+class EngineJob(Generation):
     """A :class:`~.worker.Job` as an engine receives it: the constraint travels as its spec and is
     compiled again there (from that process's cache)."""
 
-    method: str
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    stop: list[str]
-    seed: int | None
     constraint: tuple | None  # (ConstraintSpec, close_reserve)
     tenant: str
+    kv: tuple[str, str] | None = None  # (KV policy, budget)
 
 
 def _picklable(e: BaseException) -> BaseException:
@@ -112,7 +106,7 @@ def _engine_main(conn, config: EngineConfig) -> None:  # pragma: no cover - runs
 
     def start(jid: int, job: EngineJob) -> None:
         try:
-            method = state.get_method(job.method, job.tenant)
+            method = state.get_method(job.method, job.tenant, job.kv)
             grammar = None
             if job.constraint is not None:
                 spec, reserve = job.constraint
@@ -304,7 +298,7 @@ class EnginePool:
             g = job.grammar
             self._send(e, ("submit", jid, EngineJob(job.method, job.prompt_ids, job.max_tokens, job.sampling, job.stop,
                                                     job.seed, None if g is None else (g.spec, g.close_reserve),
-                                                    job.tenant)))
+                                                    job.tenant, job.kv)))
             self.per_engine.labels(str(e.index)).inc()
         self.metrics.waiting.set(len(self._waiting))
         self._running.set(sum(len(e.jobs) for e in self.engines))

@@ -68,6 +68,10 @@ class SpeculumOptions(BaseModel):
     grammar: str | None = None  # Lark
     max_tree: int | None = Field(default=None, ge=1, le=256)
     close_reserve: int = Field(default=0, ge=0)  # the grammar's budget closer (speculum.constrain.Grammar)
+    # a KV policy for this request (speculum.kv.make_policy: "snapkv", "streaming:sink=4", ...) and
+    # its budget (tokens, or a ratio of the prompt)
+    kv_policy: str | None = Field(default=None, max_length=200)
+    kv_budget: int | float | str | None = Field(default=None)
 
 
 class CommonParams(BaseModel):

@@ -30,9 +30,8 @@ log = logging.getLogger("speculum.server")
 
 
 @dataclass
-class Job:
-    """A request for the worker. ``events`` receives ``("tokens", [ids])``, then ``("done", result)``
-    or ``("error", exception)`` or ``("cancelled", None)``."""
+class Generation:
+    """What to generate: the fields a job and an engine process's copy of it share."""
 
     method: str
     prompt_ids: list[int]
@@ -40,9 +39,17 @@ class Job:
     sampling: SamplingParams
     stop: list[str]
     seed: int | None
+
+
+@dataclass
+class Job(Generation):
+    """A request for the worker. ``events`` receives ``("tokens", [ids])``, then ``("done", result)``
+    or ``("error", exception)`` or ``("cancelled", None)``."""
+
     grammar: Grammar | None
     loop: asyncio.AbstractEventLoop
     tenant: str = ""  # whose drafter state the job may use and teach (ServerState.get_method)
+    kv: tuple[str, str] | None = None  # (KV policy, budget) for this request, or the full cache
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
@@ -148,7 +155,7 @@ class Worker:
     def _request(self, job: Job, running: dict) -> BatchRequest | None:
         """The batcher's request for ``job``, its callbacks streaming to the job's client."""
         try:
-            method = self.get_method(job.method, job.tenant)
+            method = self.get_method(job.method, job.tenant, job.kv)
         except SpeculumError as e:
             job.emit("error", e)
             return None
