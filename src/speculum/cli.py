@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "name it serves) instead of starting speculum serve with --model, --dtype and the first "
                          "of --methods")
     sv.add_argument("--max-batch", type=int, default=None, help="speculum serve's --max-batch (default: its own)")
+    sv.add_argument("--engines", type=int, default=None, help="speculum serve's --engines (default: its own)")
     sv.add_argument("--system-tokens", type=int, default=1000,
                     help="size of the shared system prompt of the prefix-reuse part (0: skip it; default: "
                          "%(default)s)")
@@ -434,7 +435,8 @@ def _bench_serving(args) -> int:
     meta = {"machine": machine_info(torch.device("cpu")), "versions": versions(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "settings": {"concurrency": levels, "requests": args.requests, "max_tokens": max_tokens,
                          "model": args.model, "dtype": args.dtype, "method": method, "url": args.url,
-                         "max_batch": args.max_batch, "system_tokens": args.system_tokens, "tasks": args.tasks}}
+                         "max_batch": args.max_batch, "engines": args.engines, "system_tokens": args.system_tokens,
+                         "tasks": args.tasks}}
     if args.url is not None:
         label = args.label or args.url
         run = run_serving(args.url, args.model, prompts, levels, args.requests, max_tokens, args.system_tokens,
@@ -444,7 +446,10 @@ def _bench_serving(args) -> int:
                  "--max-queue", str(max(levels) * 2)]
         if args.max_batch is not None:
             serve += ["--max-batch", str(args.max_batch)]
-        label = args.label or f"speculum {method}" + (f" (max-batch {args.max_batch})" if args.max_batch else "")
+        if args.engines is not None:
+            serve += ["--engines", str(args.engines)]
+        label = args.label or f"speculum {method}" + "".join(
+            f" ({flag} {value})" for flag, value in (("max-batch", args.max_batch), ("engines", args.engines)) if value)
         with LocalServer(serve) as server:
             run = run_serving(server.url, args.model, prompts, levels, args.requests, max_tokens,
                               args.system_tokens, progress=not args.no_progress)
