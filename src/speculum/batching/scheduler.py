@@ -251,3 +251,6 @@ class Batcher:
                 if r.on_done is not None:
                     r.on_done(result)
         self.running = keep
+        in_use = {id(self.runner)} | {id(r.engine.runner) for r in keep + list(self.waiting)}
+        for key in [k for k in self._pools if k not in in_use]:  # a side runner's pool, now idle
+            del self._pools[key]
