@@ -251,8 +251,9 @@ def folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     The math path keeps its float32 scores under :data:`SCORE_BLOCK_BYTES`: one matrix ``[R, L]``
     (a head of a sequence) at a time where all of them together would be larger, and, with
     ``row_blocks`` (prefill chunks, whose rows need not be computed alike for any row count), runs
-    of rows of one matrix where even that is larger. Each row's result does not depend on the
-    leading-dimension blocking.
+    of rows of one matrix where even that is larger. Pieces of whole matrices give each row the
+    result it gets in one piece, bit for bit (tested), so that the reproducible mode's decoding
+    groups do not depend on how many sequences share a group.
     """
     if not math and softcap is None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
