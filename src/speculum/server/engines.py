@@ -29,7 +29,7 @@ import os
 import pickle
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from ..errors import SpeculumError
@@ -38,6 +38,7 @@ from .worker import Generation, Job, QueueFull
 
 log = logging.getLogger("speculum.server")
 STARTUP_S = 900.0  # an engine's model load and first calibration
+MAX_TENANTS = 4096  # tenants whose last engine is remembered (each request's tenant is client-chosen)
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ class EnginePool:
 
     Engines start one after another (the first may calibrate; the others find its results). An
     engine is started only while the machine's available memory holds another copy of the weights
-    with room to spare; ``started`` says how many run."""
+    with room to spare; ``engines`` lists those that run, ``skipped`` says why others did not."""
 
     def __init__(self, config: EngineConfig, engines: int, metrics: Metrics, max_queue: int = 16):
         if engines < 1:
@@ -189,7 +190,7 @@ class EnginePool:
         self._lock = threading.RLock()
         self._waiting: deque[Job] = deque()
         self._ids = itertools.count()
-        self._last_engine: dict[str, int] = {}
+        self._last_engine: OrderedDict[str, int] = OrderedDict()  # tenant -> engine (the latest MAX_TENANTS)
         self._mean_request_s = 1.0
         self.engines: list[_Engine] = []
         self.info: dict = {}
@@ -294,6 +295,9 @@ class EnginePool:
             jid = next(self._ids)
             e.jobs[jid] = job
             self._last_engine[job.tenant] = e.index
+            self._last_engine.move_to_end(job.tenant)
+            if len(self._last_engine) > MAX_TENANTS:
+                self._last_engine.popitem(last=False)
             job.started = time.perf_counter()
             g = job.grammar
             self._send(e, ("submit", jid, EngineJob(job.method, job.prompt_ids, job.max_tokens, job.sampling, job.stop,
