@@ -217,9 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     s.add_argument("--max-queue", type=int, default=16,
-                   help="requests allowed to wait while --max-batch run; more get HTTP 429 (default: %(default)s)")
+                   help="requests allowed to wait while every engine runs --max-batch; more get HTTP 429 "
+                        "(default: %(default)s)")
     s.add_argument("--max-batch", type=int, default=None,
-                   help="requests decoded together, one forward per step (continuous batching); default: from the "
+                   help="requests each engine decodes together, one forward per step (continuous batching); "
+                        "default: from the "
                         "calibration, the most sequences whose forward costs at most 3x one sequence's (16 on a "
                         "2-core AVX-512 CPU in bfloat16); 1 decodes one request at a time")
     s.add_argument("--engines", type=int, default=None,
