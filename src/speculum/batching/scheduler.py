@@ -79,7 +79,7 @@ class Batcher:
             raise SpeculumError(f"max_batch must be at least 1, got {max_batch}")
         self.runner, self.max_batch, self.prefill_chunk = runner, max_batch, prefill_chunk
         self.pool = runner.new_pool(max_batch)
-        self._pools: dict[int, tuple[object, object]] = {id(runner): (runner, self.pool)}  # runner, its pool
+        self._pools = {runner: self.pool}  # runner -> its cache pool (side runners: KV policies')
         self.prefix_cache, self.sizer = prefix_cache, sizer
         self.fused_prefill = fused_prefill and getattr(runner, "chunked_prefill", True)
         self.waiting: deque[BatchRequest] = deque()
@@ -94,10 +94,10 @@ class Batcher:
 
     def _pool(self, runner):
         """The cache pool of ``runner`` (the batcher's, or a side runner's, made on first use)."""
-        entry = self._pools.get(id(runner))
-        if entry is None:
-            entry = self._pools[id(runner)] = (runner, runner.new_pool(self.max_batch))
-        return entry[1]
+        pool = self._pools.get(runner)
+        if pool is None:
+            pool = self._pools[runner] = runner.new_pool(self.max_batch)
+        return pool
 
     @property
     def idle(self) -> bool:
@@ -130,7 +130,7 @@ class Batcher:
             for r, _ in chunks:
                 self._prefilled(r)
             self._deliver(ready, news)
-        for runner in {id(r.engine.runner): r.engine.runner for r in side}.values():
+        for runner in dict.fromkeys(r.engine.runner for r in side):
             group = [r for r in side if r.engine.runner is runner]
             try:
                 news = step([r.decoding for r in group], self.sizer)
@@ -251,6 +251,6 @@ class Batcher:
                 if r.on_done is not None:
                     r.on_done(result)
         self.running = keep
-        in_use = {id(self.runner)} | {id(r.engine.runner) for r in keep + list(self.waiting)}
-        for key in [k for k in self._pools if k not in in_use]:  # a side runner's pool, now idle
-            del self._pools[key]
+        in_use = {self.runner} | {r.engine.runner for r in keep + list(self.waiting)}
+        for runner in [x for x in self._pools if x not in in_use]:  # a side runner's pool, now idle
+            del self._pools[runner]

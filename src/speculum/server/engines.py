@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from ..errors import SpeculumError
 from .metrics import Metrics
-from .worker import Generation, Job, QueueFull
+from .worker import Generation, Job, JobAccounting
 
 log = logging.getLogger("speculum.server")
 STARTUP_S = 900.0  # an engine's model load and first calibration
@@ -175,7 +175,7 @@ def _available_memory() -> int | None:
     return None
 
 
-class EnginePool:
+class EnginePool(JobAccounting):
     """``engines`` engine processes behind one bounded queue; the :class:`~.worker.Worker` interface
     (:meth:`submit`, :meth:`cancel`, :meth:`close`, ``max_batch``) for the HTTP app.
 
@@ -191,7 +191,6 @@ class EnginePool:
         self._waiting: deque[Job] = deque()
         self._ids = itertools.count()
         self._last_engine: OrderedDict[str, int] = OrderedDict()  # tenant -> engine (the latest MAX_TENANTS)
-        self._mean_request_s = 1.0
         self.engines: list[_Engine] = []
         self.info: dict = {}
         self.skipped: str | None = None
@@ -235,10 +234,7 @@ class EnginePool:
                 raise SpeculumError("no engine is running (see the server log)")
             free = sum(self.max_batch - len(e.jobs) for e in self.engines if e.alive)
             if len(self._waiting) >= self.max_queue and free <= 0:
-                per_slot = self._mean_request_s / (self.max_batch * len(self.engines))
-                raise QueueFull(f"the server is busy: {len(self._waiting)} requests are already waiting "
-                                f"(--max-queue {self.max_queue}); retry later",
-                                max(1, round(len(self._waiting) * per_slot)))
+                raise self._queue_full(len(self._waiting), self.max_batch * len(self.engines))
             job.queued = True
             self._waiting.append(job)
             self._dispatch()
@@ -328,19 +324,11 @@ class EnginePool:
                 if job is None:  # cancelled meanwhile
                     continue
                 if kind == "tokens":
-                    if job.first_token is None:
-                        job.first_token = time.perf_counter()
-                    job.emit("tokens", value)
+                    self._tokens(job, value)
                     continue
                 del e.jobs[jid]
                 if kind == "done":
-                    result, reused = value
-                    end = time.perf_counter()
-                    ttft = job.first_token - job.submitted if job.first_token is not None else None
-                    self.metrics.record(job.method, result, ttft, job.started - job.submitted, end - job.submitted)
-                    self.metrics.prefix_hit_tokens.inc(reused)
-                    self._mean_request_s = 0.8 * self._mean_request_s + 0.2 * (end - job.started)
-                    job.emit("done", result)
+                    self._finished(job, *value)
                 else:
                     job.emit("error", value)
                 self._dispatch()

@@ -69,7 +69,37 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
-class Worker:
+class JobAccounting:
+    """What the in-process :class:`Worker` and the engine processes' pool
+    (:class:`~.engines.EnginePool`) share: a job's tokens and result delivered to its client with
+    their metrics, and the Retry-After estimate of a refusal."""
+
+    metrics: Metrics
+    max_queue: int
+    _mean_request_s = 1.0  # running mean of a request's service time, for Retry-After
+
+    def _queue_full(self, waiting: int, slots: int) -> QueueFull:
+        """The refusal while ``waiting`` jobs wait for ``slots`` batch slots."""
+        return QueueFull(f"the server is busy: {waiting} requests are already waiting (--max-queue {self.max_queue}); "
+                         "retry later", max(1, round(waiting * self._mean_request_s / slots)))
+
+    @staticmethod
+    def _tokens(job: Job, ids: list[int]) -> None:
+        if job.first_token is None:
+            job.first_token = time.perf_counter()
+        job.emit("tokens", ids)
+
+    def _finished(self, job: Job, result: GenerationResult, reused: int) -> None:
+        """``job`` is done (``reused`` prompt tokens came from the prefix cache): record, deliver."""
+        end = time.perf_counter()
+        ttft = job.first_token - job.submitted if job.first_token is not None else None
+        self.metrics.record(job.method, result, ttft, job.started - job.submitted, end - job.submitted)
+        self.metrics.prefix_hit_tokens.inc(reused)
+        self._mean_request_s = 0.8 * self._mean_request_s + 0.2 * (end - job.started)
+        job.emit("done", result)
+
+
+class Worker(JobAccounting):
     """Runs jobs on the methods ``get_method(name, tenant)`` returns
     (:class:`~speculum.methods.EngineMethod`, built on demand), through ``batcher``."""
 
@@ -79,17 +109,13 @@ class Worker:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._waiting = 0
-        self._mean_request_s = 1.0  # running mean of a request's service time, for Retry-After
         self._thread = threading.Thread(target=self._run, name="speculum-worker", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
         with self._lock:
             if self._waiting >= self.max_queue:
-                per_slot = self._mean_request_s / self.batcher.max_batch
-                raise QueueFull(f"the server is busy: {self._waiting} requests are already waiting "
-                                f"(--max-queue {self.max_queue}); retry later",
-                                max(1, round(self._waiting * per_slot)))
+                raise self._queue_full(self._waiting, self.batcher.max_batch)
             self._waiting += 1
             job.queued = True
             self.metrics.waiting.set(self._waiting)
@@ -161,19 +187,9 @@ class Worker:
             return None
         job.started = time.perf_counter()
 
-        def on_tokens(chunk: list[int]) -> None:
-            if job.first_token is None:
-                job.first_token = time.perf_counter()
-            job.emit("tokens", chunk)
-
         def on_done(result: GenerationResult) -> None:
             running.pop(id(job), None)
-            self.metrics.prefix_hit_tokens.inc(request.reused)
-            end = time.perf_counter()
-            ttft = job.first_token - job.submitted if job.first_token is not None else None
-            self.metrics.record(job.method, result, ttft, job.started - job.submitted, end - job.submitted)
-            self._mean_request_s = 0.8 * self._mean_request_s + 0.2 * (end - job.started)
-            job.emit("done", result)
+            self._finished(job, result, request.reused)
 
         def on_error(e: Exception) -> None:
             running.pop(id(job), None)
@@ -182,5 +198,5 @@ class Worker:
             job.emit("error", e)
 
         request = BatchRequest(method.engine, job.prompt_ids, job.max_tokens, job.sampling, job.stop, job.seed,
-                               job.grammar, job.tenant, on_tokens, on_done, on_error)
+                               job.grammar, job.tenant, lambda ids: self._tokens(job, ids), on_done, on_error)
         return request
