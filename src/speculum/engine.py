@@ -193,6 +193,7 @@ class Decoding:
         self.tokens, self.generated, self.steps = list(prompt), [], []
         self.reason: str | None = None
         self.started = False  # prefilled and the drafter reset
+        self.prompt_hidden: list[dict[int, torch.Tensor]] = []  # prefill chunks' hidden states, for the drafter
         self.scored = False  # whether this step's drafted tree came with node scores (before shaping)
 
     @property
@@ -204,9 +205,10 @@ class Decoding:
         """Commit up to ``limit`` more prompt tokens to the cache; once all are in, the drafter starts."""
         take = self.next_chunk(limit, query_start is not None)
         t = time.perf_counter()
+        hidden = None
         if take or (not self.started and self.cache.length == 0):  # a KV policy sets its state up even for none
-            self.runner.prefill(self.cache, take, query_start=query_start)
-        self.chunk_done(len(take), time.perf_counter() - t)
+            hidden = self.runner.prefill(self.cache, take, self.drafter.hidden_layers, query_start=query_start)
+        self.chunk_done(len(take), time.perf_counter() - t, hidden)
 
     def next_chunk(self, limit: int, whole: bool = False) -> list[int]:
         """The next at most ``limit`` prompt tokens to prefill (all that are left when ``whole``, or
@@ -216,13 +218,19 @@ class Decoding:
             limit = self.to_prefill
         return self.prompt[at:at + min(limit, self.to_prefill)]
 
-    def chunk_done(self, n: int, seconds: float = 0.0) -> None:
-        """``n`` more prompt tokens were committed (in ``seconds``); the drafter starts after the last."""
+    def chunk_done(self, n: int, seconds: float = 0.0, hidden: dict[int, torch.Tensor] | None = None) -> None:
+        """``n`` more prompt tokens were committed (in ``seconds``; ``hidden``: their hidden states
+        ``{layer: [n, D]}`` for a drafter that reads them); the drafter starts after the last."""
         self.to_prefill -= n
         self.prefill_s += seconds
+        if self.drafter.hidden_layers and n:
+            self.prompt_hidden.append(hidden)
         if self.to_prefill == 0 and not self.started:
             self.drafter.reset(self.prompt, self.verifier.params, self.verifier.generator)
             self.started = True
+            if self.drafter.hidden_layers and self.prompt_hidden:
+                parts, self.prompt_hidden = self.prompt_hidden, []
+                self.drafter.see_hidden({i: torch.cat([p[i] for p in parts]) for i in parts[0]})
 
     def draft(self) -> DraftTree:
         """The drafter's tree for this step, shaped by the guide (at most the room left)."""
@@ -241,8 +249,10 @@ class Decoding:
             tree = tree.best_chain()
         return self.guide.bind(tree)
 
-    def advance(self, tree: DraftTree, raw_logits: torch.Tensor, draft_s: float, verify_s: float) -> list[int]:
-        """Verify ``tree`` against its logits ``[len(tree) + 1, V]``, commit, update; the new tokens."""
+    def advance(self, tree: DraftTree, raw_logits: torch.Tensor, draft_s: float, verify_s: float,
+                hidden: dict[int, torch.Tensor] | None = None) -> list[int]:
+        """Verify ``tree`` against its logits ``[len(tree) + 1, V]``, commit, update; the new tokens.
+        ``hidden``: the forward's hidden states ``{layer: [len(tree) + 1, D]}`` for the drafter."""
         t = time.perf_counter()
         guide, stops = self.guide, self.stops
         logits = guide.mask(raw_logits)
@@ -254,6 +264,9 @@ class Decoding:
         new, self.reason = stops.extend(self.generated, self.tokens, *guide.close(acc.tokens, left))
         guide.commit(new)
         if self.reason is None:
+            if self.drafter.hidden_layers:
+                rows = torch.tensor([0] + [i + 1 for i in acc.path], device=raw_logits.device)
+                self.drafter.see_hidden({i: h.index_select(0, rows) for i, h in hidden.items()})
             self.drafter.update(self.tokens, tree, acc, logits)
         self.steps.append(StepStats(len(tree), len(acc.path), len(new), draft_s, verify_s,
                                     time.perf_counter() - t_c, guide.forced, guide.mask_s))
@@ -295,14 +308,15 @@ def step(decodings: Sequence[Decoding], sizer: TreeSizer | None = None,
     runner = (decodings or [p[0] for p in prefills])[0].runner
     caches = [d.cache for d in decodings]
     roots = [d.tokens[-1] for d in decodings]
+    layers = sorted({i for d in list(decodings) + [p[0] for p in prefills] for i in d.drafter.hidden_layers})
     if len(decodings) == 1 and not prefills:
-        outs = [runner.forward(caches[0], roots[0], trees[0])]
+        outs = [runner.forward(caches[0], roots[0], trees[0], layers)]
     else:
-        outs = runner.forward_batch(caches, roots, trees, [(d.cache, ids) for d, ids in prefills])
+        outs = runner.forward_batch(caches, roots, trees, [(d.cache, ids) for d, ids in prefills], layers)
     t_c = time.perf_counter()
-    for d, ids in prefills:
-        d.chunk_done(len(ids), t_c - t_b)
-    return [d.advance(t, o.logits, t_b - t_a, t_c - t_b) for d, t, o in zip(decodings, trees, outs)]
+    for (d, ids), o in zip(prefills, outs[len(decodings):]):
+        d.chunk_done(len(ids), t_c - t_b, o.hidden)
+    return [d.advance(t, o.logits, t_b - t_a, t_c - t_b, o.hidden) for d, t, o in zip(decodings, trees, outs)]
 
 
 def check_prompt_fits(prompt_tokens: int, max_positions: int) -> None:

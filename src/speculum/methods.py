@@ -174,7 +174,8 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
         cost_model: the forward-cost curve that sizes the trees of :data:`SIZED_METHODS`; by default
             the runner's calibrated curve, measured now (saying so on stderr) if none is cached.
         options: drafter settings, e.g. ``max_draft=12`` for ``ngram``, ``num_draft=4`` for
-            ``draft_model``, ``max_tree`` for the engine, ``kv_policy`` (a :class:`~speculum.kv.KVPolicy`).
+            ``draft_model``, ``max_tree`` for the engine, ``kv_policy`` (a :class:`~speculum.kv.KVPolicy`),
+            ``draft_head`` (a head file for the learned drafters, ``eagle``; default the shipped one).
     """
     check_method(name, draft_model is not None)
     if name in NEEDS_DRAFT:
@@ -202,6 +203,9 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
         sized = False  # every step costs the same up to fixed_rows: nothing to size (and no calibration)
     if entry.needs_draft_model:
         options["draft_model"] = draft_model
+    draft_head = options.pop("draft_head", None)
+    if entry.needs_target:
+        options["target"], options["draft_head"] = model, draft_head
     drafter = entry.factory(**options)
     sizer = TreeSizer(cost_model or _calibrated(runner)) if sized else None
     return EngineMethod(name, Engine(runner, drafter, tokenizer, max_tree=max_tree, sizer=sizer, kv_policy=kv_policy,

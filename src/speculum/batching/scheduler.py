@@ -192,7 +192,9 @@ class Batcher:
             pool = self._pool(r.engine.runner)
             cache = pool.acquire()
             try:
-                if self.prefix_cache is not None and isinstance(cache, SlotCache):
+                # a drafter that reads hidden states needs the prompt's: a reused prefix has none
+                if (self.prefix_cache is not None and isinstance(cache, SlotCache)
+                        and not r.engine.drafter.hidden_layers):
                     entries = self.prefix_cache.lookup(r.tenant, r.prompt_ids)
                     if entries is not None:
                         cache.load(entries)
@@ -212,11 +214,11 @@ class Batcher:
         """Commit ``ids``, the next chunk of ``r``'s prompt, in a forward of their own."""
         t = time.perf_counter()
         try:
-            self.runner.prefill(r.decoding.cache, ids)
+            hidden = self.runner.prefill(r.decoding.cache, ids, r.decoding.drafter.hidden_layers)
         except Exception as e:  # noqa: BLE001 - reported to that request alone
             self._fail(r, e)
             return
-        r.decoding.chunk_done(len(ids), time.perf_counter() - t)
+        r.decoding.chunk_done(len(ids), time.perf_counter() - t, hidden)
         self._prefilled(r)
 
     def _prefilled(self, r: BatchRequest) -> None:

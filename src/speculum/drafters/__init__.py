@@ -15,6 +15,7 @@ from .ar import AutoregressiveDrafter
 from .auto import AutoDrafter
 from .base import Drafter
 from .draft_model import DraftModelDrafter
+from .eagle import EagleDrafter
 from .mix import MixDrafter
 from .ngram import NgramDrafter
 from .recycling import RecyclingDrafter
@@ -26,7 +27,9 @@ from .suffix_merged import SuffixMergedDrafter
 class DrafterEntry:
     """How to build one named drafter.
 
-    ``factory(**options)`` makes it (``draft_model=`` is passed when ``needs_draft_model``);
+    ``factory(**options)`` makes it (``draft_model=`` is passed when ``needs_draft_model``,
+    ``target=`` the target transformers model and ``draft_head=`` a head file when ``needs_target``:
+    learned heads read the target's embedding and LM head);
     ``scored``: its trees carry acceptance scores, so the engine sizes them to the hardware's cost
     curve (:class:`~speculum.tree_sizing.TreeSizer`); ``max_tree``: the engine's budget of drafted
     nodes per step.
@@ -36,6 +39,7 @@ class DrafterEntry:
     summary: str
     scored: bool = False
     needs_draft_model: bool = False
+    needs_target: bool = False
     max_tree: int = 64
 
 
@@ -59,7 +63,9 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "auto": DrafterEntry(AutoDrafter, "a bandit over mix / ngram / none by measured tokens per second", scored=True),
     "draft_model": DrafterEntry(DraftModelDrafter, "a smaller model with the same tokenizer drafts chains",
                                 needs_draft_model=True),
+    "eagle": DrafterEntry(EagleDrafter, "a trained EAGLE feature head drafting EAGLE-2's dynamic tree",
+                          scored=True, needs_target=True),
 }
 
-__all__ = ["DRAFTERS", "AutoDrafter", "AutoregressiveDrafter", "DraftModelDrafter", "Drafter", "DrafterEntry",
+__all__ = ["DRAFTERS", "AutoDrafter", "AutoregressiveDrafter", "DraftModelDrafter", "Drafter", "DrafterEntry", "EagleDrafter",
            "MixDrafter", "NgramDrafter", "RecyclingDrafter", "SuffixDrafter", "SuffixMergedDrafter"]

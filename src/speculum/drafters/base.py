@@ -22,6 +22,9 @@ class Drafter(ABC):
     """Base class. Subclasses set ``name`` and implement :meth:`propose`."""
 
     name: str = "drafter"
+    # target hidden-state layers this drafter reads (numbered as in :mod:`speculum.runners.base`);
+    # the engine then hands them over through :meth:`see_hidden`
+    hidden_layers: tuple[int, ...] = ()
 
     def reset(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
         """Start a new request. ``params`` and ``generator`` are the engine's (for sampled drafts)."""
@@ -31,6 +34,11 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, tokens: list[int], budget: int) -> DraftTree:
         """Draft continuations of ``tokens`` (``tokens[-1]`` is the root) with at most ``budget`` nodes."""
+
+    def see_hidden(self, hidden: dict[int, torch.Tensor]) -> None:
+        """The target's hidden states ``{layer: [m, D]}`` (the layers of :attr:`hidden_layers`) of the
+        ``m`` tokens just cached, in order: the prompt's (all but its last token) after prefill, then
+        after each step the root's and the accepted tokens'. Called only for a drafter that asks."""
 
     def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits: torch.Tensor) -> None:
         """Called after each step; ``tokens`` already includes the newly committed tokens.

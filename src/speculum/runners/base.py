@@ -143,14 +143,16 @@ class RunnerBase:
         return self._run(cache, [root] + tree.tokens, self.step_for(cache, tree), False, hidden_layers)
 
     def forward_batch(self, caches: Sequence[KVCache], roots: Sequence[int], trees: Sequence[DraftTree],
-                      prefills: Sequence[tuple[KVCache, list[int]]] = ()) -> list[Forward]:
+                      prefills: Sequence[tuple[KVCache, list[int]]] = (),
+                      hidden_layers: Sequence[int] = ()) -> list[Forward]:
         """:meth:`forward` for several sequences, each with its own cache, root and tree: logits
         ``[n_j + 1, V]`` per sequence. ``prefills``: ``(cache, token_ids)`` prompt chunks to commit
-        in the same pass (:meth:`prefill`). Here one call after another; the native runner stacks
-        them into one forward (:mod:`speculum.runners.batched`)."""
-        for cache, ids in prefills:
-            self.prefill(cache, ids)
-        return [self.forward(c, r, t) for c, r, t in zip(caches, roots, trees)]
+        in the same pass (:meth:`prefill`), each answered after the trees' by a :class:`Forward`
+        whose logits are its last row's ``[1, V]`` (none here: ``[0]``) and whose hidden states cover
+        the chunk. Here one call after another; the native runner stacks them into one forward
+        (:mod:`speculum.runners.batched`)."""
+        chunks = [Forward(torch.empty(0), self.prefill(cache, ids, hidden_layers)) for cache, ids in prefills]
+        return [self.forward(c, r, t, hidden_layers) for c, r, t in zip(caches, roots, trees)] + chunks
 
     def new_pool(self, slots: int, capacity: int = 1024):
         """Where :meth:`forward_batch`'s caches come from: an object whose ``acquire()`` returns an

@@ -100,6 +100,7 @@ class BatchRows:
     groups: list[AttentionGroup]
     logit_rows: torch.Tensor | None  # [M] rows whose logits are computed (None: all N)
     logit_counts: list[int]  # [J] logit rows per sequence
+    counts: list[int]  # [J] rows per sequence
 
 
 def _group(caches: Sequence[SlotCache], ids: Sequence[list[int]], steps: Sequence[Step], starts: list[int],
@@ -156,17 +157,18 @@ def stack_rows(caches: Sequence[SlotCache], ids: Sequence[list[int]], steps: Seq
     return BatchRows(rows_of([t for x in ids for t in x]), torch.cat([s.positions for s in steps]),
                      rows_of([c.slot for c, k in zip(caches, counts) for _ in range(k)]),
                      rows_of([c.length + i for c, k in zip(caches, counts) for i in range(k)]), groups, logit_rows,
-                     [1 if lo_ else k for lo_, k in zip(last_only, counts)])
+                     [1 if lo_ else k for lo_, k in zip(last_only, counts)], counts)
 
 
 def batched_forward(decoder: NativeDecoder, pool_kv: torch.Tensor, rows: BatchRows,
-                    floors: RowFloors | None = None) -> list[Forward]:
+                    floors: RowFloors | None = None, hidden_layers: Sequence[int] = ()) -> list[Forward]:
     """Logits for every sequence's rows (its last row only where it asked for that); their keys and
     values are written into ``pool_kv`` ``[layers, 2, S, H_kv, C, d]`` (pending). ``floors``: the
     reproducible mode's row floors (:mod:`speculum.runners.invariance`); decoding groups then take
     the explicit attention path.
 
-    Returns one :class:`Forward` per sequence, logits ``[n_j, V]`` (``[1, V]`` for a last-only one).
+    Returns one :class:`Forward` per sequence, logits ``[n_j, V]`` (``[1, V]`` for a last-only one)
+    and, for ``hidden_layers``, hidden states ``[n_j, D]`` of every row.
     """
     s = decoder.shape
     g, d = s.group, s.head_dim
@@ -194,6 +196,8 @@ def batched_forward(decoder: NativeDecoder, pool_kv: torch.Tensor, rows: BatchRo
             out.index_copy_(0, grp.rows, group_attention(kv, grp, q.index_select(0, grp.rows), layer.sliding))
         return out
 
-    out = decoder.forward_with(rows.ids, rows.positions, attend, False, (), floors or NO_FLOORS,
+    out = decoder.forward_with(rows.ids, rows.positions, attend, False, hidden_layers, floors or NO_FLOORS,
                                logit_rows=rows.logit_rows)
-    return [Forward(part) for part in out.logits.split(rows.logit_counts)]
+    hidden = {i: h.split(rows.counts) for i, h in out.hidden.items()}
+    return [Forward(part, {i: hs[j] for i, hs in hidden.items()})
+            for j, part in enumerate(out.logits.split(rows.logit_counts))]

@@ -306,12 +306,14 @@ class NativeDecoder:
             h = self.layer_forward(i, layer, h, rope, attend, floors)
             if i + 1 in hidden_layers and i + 1 < last:
                 hidden[i + 1] = h
-        if logit_rows is not None:
-            h = h.index_select(0, logit_rows)
         if last in hidden_layers:
             normed = self.final_norm(h)
             hidden[last] = normed
+            if logit_rows is not None:
+                normed = normed.index_select(0, logit_rows)
             return Forward(self.head_logits(normed[-1:] if last_only else normed, floors.head), hidden)
+        if logit_rows is not None:
+            h = h.index_select(0, logit_rows)
         return Forward(self.logits(h[-1:] if last_only else h, floors.head), hidden)
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:

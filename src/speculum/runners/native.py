@@ -143,14 +143,16 @@ class NativeRunner(RunnerBase):
         return SlotPool(s.layers, s.kv_heads, s.head_dim, self.dtype, self.device, slots, capacity)
 
     @torch.inference_mode()
-    def forward_batch(self, caches, roots, trees, prefills=()) -> list[Forward]:
+    def forward_batch(self, caches, roots, trees, prefills=(), hidden_layers=()) -> list[Forward]:
         """One forward for several sequences' trees and prompt chunks (:mod:`speculum.runners.batched`)
         when their caches share one :class:`~speculum.cache.SlotPool`: logits ``[n_j + 1, V]`` per
         tree, its entries pending; each prompt chunk's entries committed."""
         every = list(caches) + [c for c, _ in prefills]
         pools = {id(c.pool) for c in every if isinstance(c, SlotCache)}
         if len(every) < 2 or len(pools) != 1 or not all(isinstance(c, SlotCache) for c in every):
-            return super().forward_batch(caches, roots, trees, prefills)
+            return super().forward_batch(caches, roots, trees, prefills, hidden_layers)
+        if hidden_layers:
+            self._check_layers(hidden_layers)
         ids = [[r] + t.tokens for r, t in zip(roots, trees)] + [list(x) for _, x in prefills]
         steps = [self.step_for(c, t) for c, t in zip(caches, trees)]
         steps += [self.chunk_step(c, len(x)) for c, x in prefills]
@@ -159,13 +161,13 @@ class NativeRunner(RunnerBase):
         s = self.shape
         rows = stack_rows(every, ids, steps, s.group, s.sliding_window, self.dtype, self.device,
                           [False] * len(caches) + [True] * len(prefills))
-        out = batched_forward(self.decoder, every[0].pool.kv, rows, self.floors)
+        out = batched_forward(self.decoder, every[0].pool.kv, rows, self.floors, hidden_layers)
         for c, x in zip(caches, ids):
             c.pending = len(x)
         for c, x in prefills:
             c.pending = len(x)
             c.commit()
-        return out[:len(caches)]
+        return out
 
     def _check_owner(self, cache: StaticKVCache) -> None:
         if cache.fixed and (self._owner is None or self._owner() is not cache):

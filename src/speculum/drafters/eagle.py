@@ -1,0 +1,181 @@
+"""``eagle``: a trained feature-level draft head (EAGLE, Li et al. 2024) drafting EAGLE-2's dynamic
+tree (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees").
+
+The head (:mod:`speculum.heads.eagle`) reads the target's final-norm hidden state at each committed
+token, which the engine hands over as the tokens are cached (:meth:`Drafter.see_hidden`). Each
+step the head first catches up on the pairs it has not seen (``(f_t, x_{t+1})`` for every newly
+cached ``t``, the target's true features), which predicts the root's feature. Then, greedy:
+
+- depth 1: the root's ``top_k`` most likely tokens become nodes, scored by their draft
+  log-probability;
+- each further depth: the ``top_k`` nodes of the last depth with the highest cumulative score are
+  expanded in one head forward (each node's pair is its parent's *predicted* feature and its own
+  token, attending its ancestors), each giving ``top_k`` children;
+- finally every node created is reranked by cumulative score and the best ``max_nodes`` (a tree:
+  a child never outscores its parent) are proposed, their scores ``exp(cumulative log-prob)`` the
+  engine's tree sizer trims by.
+
+Sampled requests draft a chain, each token drawn from the head's own distribution q (the request's
+temperature / top-k / top-p applied to the draft logits), q attached for the verifier's ``min(1, p/q)``.
+With a trimmed draft vocabulary, q is zero outside it: still exact.
+
+Example (greedy, ``top_k=2``, depth 2): root "The"; head: "cat" 0.6, "dog" 0.3; expand both:
+"cat" -> "sat" 0.5, "is" 0.3; "dog" -> "ran" 0.9, ...; cumulative scores: cat .6, dog .3,
+cat-sat .3, dog-ran .27, cat-is .18; with ``max_nodes=4``: cat, dog, cat-sat, dog-ran.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from ..errors import SpeculumError
+from ..heads import HeadCache, TargetTables, find_head, load_head
+from ..tree import DraftTree
+from .base import Drafter
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+
+    def __init__(self, target: torch.nn.Module, draft_head: str | Path | None = None, top_k: int = 8,
+                 depth: int = 6, max_nodes: int = 48):
+        path = draft_head or find_head(target, "eagle")
+        if path is None:
+            raise SpeculumError("eagle needs a trained head: speculum ships none for this model; train one with "
+                                "`speculum train-draft --kind eagle` and pass --draft-head PATH")
+        loaded = load_head(path, target)
+        if loaded.kind != "eagle":
+            raise SpeculumError(f"{path} holds a {loaded.kind} head, not an eagle head")
+        weight = target.get_output_embeddings().weight
+        self.dtype, self.device = weight.dtype, weight.device
+        self.head = loaded.module.to(self.dtype).to(self.device)
+        self.tables = TargetTables.of(target, loaded.draft_vocab, self.dtype)
+        self.vocab_size = weight.shape[0]
+        layer = loaded.module.config.feature_layer
+        self.hidden_layers = (target.config.get_text_config().num_hidden_layers if layer < 0 else layer,)
+        self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
+        self.path = Path(path)
+
+    def reset(self, prompt_ids, params, generator):
+        super().reset(prompt_ids, params, generator)
+        self.cache = HeadCache(self.head.config, len(prompt_ids) + 512, self.dtype, self.device)
+        self.unseen: list[torch.Tensor] = []  # [m, D] features of cached tokens the head has not read
+        self.fed = 0  # pairs committed to the head's cache: (f_t, x_{t+1}) for t < fed
+        self.lost = False  # features went missing (cannot happen through the engine): draft nothing
+
+    def see_hidden(self, hidden: dict[int, torch.Tensor]) -> None:
+        self.unseen.append(hidden[self.hidden_layers[0]])
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], budget: int) -> DraftTree:
+        root_feat = self._catch_up(tokens)
+        if root_feat is None or budget <= 0:
+            return DraftTree()
+        if not self.params.greedy:
+            return self._sampled_chain(root_feat, len(tokens) - 1, min(budget, self.depth))
+        return self._tree(root_feat, len(tokens) - 1, budget)
+
+    def _catch_up(self, tokens: list[int]) -> torch.Tensor | None:
+        """Feed the pairs ``t = fed .. len(tokens) - 2``; the root's predicted feature ``[D]``."""
+        self.cache.rollback()
+        feats = torch.cat(self.unseen) if self.unseen else None
+        self.unseen = []
+        n = len(tokens) - 1 - self.fed
+        if self.lost or feats is None or feats.shape[0] != n:
+            self.lost = self.lost or n > 0  # nothing new (a one-token prompt) is fine; a gap is not
+            return None
+        c = self.cache
+        c.reserve(c.used + n + self.top_k * (1 + self.top_k * self.depth))
+        ids = torch.tensor(tokens[self.fed + 1:], device=self.device)
+        positions = torch.arange(self.fed, self.fed + n, device=self.device)
+        visible = torch.ones(n, c.used + n, dtype=torch.bool, device=self.device)
+        visible[:, c.used:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        out = self.head.step(feats.to(self.dtype), self.tables.embeds(ids), positions, c, visible)
+        c.commit()
+        self.fed += n
+        return out[-1]
+
+    def _full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """``[..., K]`` draft-vocabulary logits -> ``[..., V]`` (``-inf`` outside the draft vocabulary)."""
+        if self.tables.vocab is None:
+            return draft_logits
+        full = draft_logits.new_full((*draft_logits.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.tables.vocab, draft_logits)
+
+    def _token_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.tables.vocab is None else self.tables.vocab[draft_ids]
+
+    def _sampled_chain(self, feat: torch.Tensor, root_pos: int, k: int) -> DraftTree:
+        drafted, qs = [], []
+        slots: list[int] = []
+        for i in range(k):
+            q = self.params.probs(self._full_logits(self.tables.logits(feat.float())))
+            nxt = int(torch.multinomial(q, 1, generator=self.generator))
+            drafted.append(nxt)
+            qs.append(q)
+            if i + 1 == k:
+                break
+            c = self.cache
+            visible = torch.zeros(1, c.used + 1, dtype=torch.bool, device=self.device)
+            visible[0, :c.committed] = True
+            visible[0, slots] = True
+            visible[0, c.used] = True
+            slots.append(c.used)
+            feat = self.head.step(feat[None], self.tables.embeds(torch.tensor([nxt], device=self.device)),
+                                  torch.tensor([root_pos + i], device=self.device), c, visible)[0]
+        return DraftTree.chain(drafted, torch.stack(qs))
+
+    def _tree(self, root_feat: torch.Tensor, root_pos: int, budget: int) -> DraftTree:
+        k, c = self.top_k, self.cache
+        tokens: list[int] = []
+        parents: list[int] = []
+        scores: list[float] = []
+        slot: dict[int, int] = {}  # node -> its entry in the head's cache (expanded nodes)
+        anc: dict[int, list[int]] = {}  # node -> cache slots of its expanded ancestors
+
+        def add_children(parent: int, logp: torch.Tensor, base: float) -> list[int]:
+            top = logp.topk(min(k, logp.shape[-1]))
+            ids = self._token_ids(top.indices).tolist()
+            made = []
+            for tok, lp in zip(ids, top.values.tolist()):
+                made.append(len(tokens))
+                tokens.append(tok)
+                parents.append(parent)
+                scores.append(base + lp)
+            return made
+
+        logp = torch.log_softmax(self.tables.logits(root_feat.float()), -1)
+        level = add_children(-1, logp, 0.0)
+        feats = {-1: root_feat}
+        for depth in range(1, min(self.depth, budget)):
+            frontier = sorted(level, key=lambda i: -scores[i])[:k]
+            m = len(frontier)
+            visible = torch.zeros(m, c.used + m, dtype=torch.bool, device=self.device)
+            visible[:, :c.committed] = True
+            for r, node in enumerate(frontier):
+                p = parents[node]
+                anc[node] = (anc[p] + [slot[p]]) if p >= 0 else []
+                visible[r, anc[node]] = True
+                slot[node] = c.used + r
+                visible[r, c.used + r] = True
+            parent_feats = torch.stack([feats[parents[i]] for i in frontier])
+            ids = torch.tensor([tokens[i] for i in frontier], device=self.device)
+            positions = torch.full((m,), root_pos + depth - 1, device=self.device)
+            out = self.head.step(parent_feats, self.tables.embeds(ids), positions, c, visible)  # [m, D]
+            logp = torch.log_softmax(self.tables.logits(out.float()), -1)  # [m, K]
+            level = []
+            for r, node in enumerate(frontier):
+                feats[node] = out[r]
+                level += add_children(node, logp[r], scores[node])
+        kept: set[int] = set()
+        best = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:min(self.max_nodes, budget)]
+        keep: list[int] = []
+        for i in sorted(best):  # creation order is topological; a tie may have cut a parent
+            if parents[i] < 0 or parents[i] in kept:
+                keep.append(i)
+                kept.add(i)
+        tree = DraftTree(tokens, parents, scores=[math.exp(s) for s in scores])
+        return tree.subtree(keep)

@@ -1,0 +1,157 @@
+"""Learned draft heads: their weights on disk, the shipped ones, and the target tensors they share.
+
+A head file is one safetensors file: the trained weights (bfloat16), an optional ``draft_vocab``
+``[K]`` (the token ids of a trimmed LM head: FR-Spec / VocabTrim) and, in its metadata, the head's
+kind, shape and the target it was trained for. Heads trained by ``speculum train-draft`` for the
+packaged models ship in ``speculum/heads/weights/<target key>/<kind>.safetensors``;
+:func:`find_head` finds them, ``--draft-head PATH`` loads a user's own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import SpeculumError
+from .eagle import EagleConfig, EagleHead, HeadCache
+
+SHIPPED = Path(__file__).parent / "weights"
+KINDS = ("eagle",)
+
+__all__ = ["KINDS", "EagleConfig", "EagleHead", "HeadCache", "LoadedHead", "TargetTables", "find_head",
+           "load_head", "save_head", "target_key"]
+
+
+def target_key(model) -> str:
+    """The name shipped heads are filed under: the GGUF file's stem, a local directory's name, or a
+    hub id with ``/`` as ``--`` (for ``model.speculum_name`` as given to :func:`speculum.load`)."""
+    from ..models import resolve
+
+    name = getattr(model, "speculum_name", None)
+    if not name:
+        name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if not name:
+        return ""
+    try:
+        kind, where = resolve(name)
+    except SpeculumError:
+        return ""
+    if kind == "gguf":
+        return Path(where).name.removesuffix(".gguf")
+    if kind == "dir":
+        return Path(where).resolve().name
+    return where.replace("/", "--")
+
+
+def find_head(model, kind: str) -> Path | None:
+    """The shipped ``kind`` head for ``model``, if speculum ships one."""
+    key = target_key(model)
+    path = SHIPPED / key / f"{kind}.safetensors"
+    return path if key and path.is_file() else None
+
+
+@dataclass
+class TargetTables:
+    """The target's frozen tensors a head drafts with.
+
+    ``embed [V, D]`` token embeddings (times ``embed_scale`` where the model scales them, Gemma);
+    ``head [K, D]`` the LM head's rows for the draft vocabulary; ``vocab [K]`` their token ids (None:
+    all ``V``, in order); ``softcap``: the final logit soft-capping (Gemma-2), or None.
+    """
+
+    embed: torch.Tensor
+    embed_scale: float | None
+    head: torch.Tensor
+    vocab: torch.Tensor | None
+    softcap: float | None
+
+    @classmethod
+    def of(cls, model, draft_vocab: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> TargetTables:
+        """The tables of a transformers causal LM ``model`` (its embedding and LM head, which the native
+        runner leaves in place), trimmed to ``draft_vocab`` when given."""
+        embed_module = model.get_input_embeddings()
+        embed = embed_module.weight.detach()
+        dtype = dtype or embed.dtype
+        scale = getattr(embed_module, "embed_scale", None)
+        scale = float(scale) if scale is not None else None
+        head = model.get_output_embeddings().weight.detach()
+        if draft_vocab is not None:
+            head = head.index_select(0, draft_vocab.to(head.device))
+        cfg = model.config.get_text_config()
+        return cls(embed.to(dtype), scale, head.to(dtype).contiguous(), draft_vocab,
+                   getattr(cfg, "final_logit_softcapping", None))
+
+    def embeds(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [...]`` -> ``[..., D]``."""
+        e = torch.nn.functional.embedding(ids, self.embed)
+        return e * self.embed_scale if self.embed_scale is not None else e
+
+    def logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """Predicted features ``[..., D]`` -> draft-vocabulary logits ``[..., K]``."""
+        out = feats @ self.head.T
+        if self.softcap is not None:
+            out = torch.tanh(out / self.softcap) * self.softcap
+        return out
+
+
+@dataclass
+class LoadedHead:
+    """A head read from disk: the module, its kind, its draft vocabulary and its metadata."""
+
+    kind: str
+    module: EagleHead
+    draft_vocab: torch.Tensor | None  # [K] token ids, or None for the whole vocabulary
+    meta: dict
+
+
+def save_head(path: str | Path, kind: str, module: EagleHead, draft_vocab: torch.Tensor | None, meta: dict) -> Path:
+    """Write ``module``'s weights in bfloat16 (and ``draft_vocab``) to one safetensors file."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in module.state_dict().items()}
+    if draft_vocab is not None:
+        tensors["draft_vocab"] = draft_vocab.to(torch.int64).contiguous()
+    header = {"kind": kind, "config": json.dumps(module.config.to_dict()), "meta": json.dumps(meta)}
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata=header)
+    tmp.replace(path)
+    return path
+
+
+def load_head(path: str | Path, model=None) -> LoadedHead:
+    """Read a head file; with ``model``, check that it fits that target (hidden size, vocabulary)."""
+    from safetensors import safe_open
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise SpeculumError(f"draft head {str(path)!r} does not exist")
+    try:
+        with safe_open(str(path), "pt") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # a truncated or foreign file: say what it is
+        raise SpeculumError(f"{path} is not a speculum draft head ({e})") from None
+    kind = header.get("kind")
+    if kind not in KINDS:
+        raise SpeculumError(f"{path} is not a speculum draft head (kind {kind!r}; known: {', '.join(KINDS)})")
+    config = EagleConfig(**json.loads(header["config"]))
+    meta = json.loads(header.get("meta", "{}"))
+    vocab = tensors.pop("draft_vocab", None)
+    module = EagleHead(config)
+    module.load_state_dict({k: v.float() for k, v in tensors.items()})
+    module.eval().requires_grad_(False)
+    if model is not None:
+        cfg = model.config.get_text_config()
+        width = model.get_output_embeddings().weight.shape[0]
+        if config.hidden != cfg.hidden_size:
+            raise SpeculumError(f"draft head {path.name} was trained for hidden size {config.hidden}, "
+                                f"this model's is {cfg.hidden_size}")
+        if meta.get("vocab") not in (None, width) or (vocab is not None and int(vocab.max()) >= width):
+            raise SpeculumError(f"draft head {path.name} was trained for a vocabulary of {meta.get('vocab')}, "
+                                f"this model's logits are {width} wide")
+    return LoadedHead(kind, module, vocab, meta)

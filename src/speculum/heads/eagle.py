@@ -1,0 +1,161 @@
+"""The EAGLE draft head (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
+Uncertainty"): one decoder layer that predicts the target's next *feature* (its final-norm hidden
+state, what the LM head reads) from the current feature and the next token's embedding.
+
+Pair ``t`` combines the target's feature ``f_t`` ``[D]`` (at token ``t``) with the embedding of token
+``x_{t+1}``; the head maps it to ``f̂_{t+1}``, and the target's frozen LM head turns ``f̂_{t+1}`` into
+the distribution of token ``x_{t+2}``. Pair ``t`` sits at rotary position ``t``. While drafting,
+a drafted token's pair takes its parent's *predicted* feature in place of the target's.
+
+Shapes: ``D`` the target's hidden size (also the head's), ``H`` / ``H_kv`` query / KV heads of the
+head's attention, ``d`` its head dim, ``V`` the target's vocabulary, ``K`` the draft vocabulary
+(``V``, or fewer with a trimmed LM head: FR-Spec / VocabTrim).
+
+The module holds only the trained weights (``fc``, the layer); the target's embedding and LM head
+are frozen tensors handed in by the caller (they are the target's own and are never saved here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    """The head's shape, saved beside its weights."""
+
+    hidden: int  # D, the target's hidden size
+    heads: int  # H
+    kv_heads: int  # H_kv
+    head_dim: int  # d
+    intermediate: int  # the MLP's inner width
+    rope_theta: float = 10000.0
+    eps: float = 1e-6
+    feature_layer: int = -1  # which target hidden state is the feature (-1: the final norm's output)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def for_target(cls, config) -> EagleConfig:
+        """A head sized like one decoder layer of the target (transformers ``config``)."""
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = cfg.num_attention_heads
+        return cls(hidden=cfg.hidden_size, heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", heads),
+                   head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+                   intermediate=cfg.intermediate_size, rope_theta=float(getattr(cfg, "rope_theta", 10000.0) or 10000.0),
+                   eps=float(getattr(cfg, "rms_norm_eps", 1e-6)))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (half-split convention) of ``x [..., n, d]`` with ``cos, sin [n, d]``."""
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-b, a), dim=-1) * sin
+
+
+class EagleHead(nn.Module):
+    """``fc`` (``2D -> D``) then one Llama-style decoder layer; output the predicted feature ``[.., D]``."""
+
+    def __init__(self, config: EagleConfig):
+        super().__init__()
+        c = self.config = config
+        self.fc = nn.Linear(2 * c.hidden, c.hidden, bias=True)
+        self.input_norm = RMSNorm(c.hidden, c.eps)
+        self.q = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
+        self.k = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.v = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.o = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
+        self.post_norm = RMSNorm(c.hidden, c.eps)
+        self.gate = nn.Linear(c.hidden, c.intermediate, bias=False)
+        self.up = nn.Linear(c.hidden, c.intermediate, bias=False)
+        self.down = nn.Linear(c.intermediate, c.hidden, bias=False)
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [n]`` -> ``cos, sin [n, d]``."""
+        ang = positions.float()[:, None] * self.inv_freq[None, :]
+        ang = torch.cat((ang, ang), dim=-1)
+        return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    def _qkv(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor):
+        """``feats, embeds [..., n, D]`` -> the residual ``[..., n, D]`` and roped ``q [..., H, n, d]``,
+        ``k, v [..., H_kv, n, d]``."""
+        c = self.config
+        h = self.fc(torch.cat((embeds, feats), dim=-1))
+        x = self.input_norm(h)
+        lead = x.shape[:-1]
+        q = self.q(x).view(*lead, c.heads, c.head_dim).transpose(-2, -3)
+        k = self.k(x).view(*lead, c.kv_heads, c.head_dim).transpose(-2, -3)
+        v = self.v(x).view(*lead, c.kv_heads, c.head_dim).transpose(-2, -3)
+        cos, sin = self.rope(positions, x.dtype)
+        return h, _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def _finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual, output projection and MLP: ``h [..., n, D]``, ``attn [..., H, n, d]`` -> ``[..., n, D]``."""
+        a = attn.transpose(-2, -3).flatten(-2)
+        h = h + self.o(a)
+        x = self.post_norm(h)
+        return h + self.down(F.silu(self.gate(x)) * self.up(x))
+
+    def forward(self, feats: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """Training / teacher forcing: ``feats, embeds [B, T, D]`` (pair ``t`` at position ``t``, causal)
+        -> predicted features ``[B, T, D]``."""
+        positions = torch.arange(feats.shape[-2], device=feats.device)
+        h, q, k, v = self._qkv(feats, embeds, positions)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self._finish(h, attn)
+
+    def step(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, cache: HeadCache,
+             visible: torch.Tensor) -> torch.Tensor:
+        """Drafting: ``n`` pairs (``feats, embeds [n, D]`` at ``positions [n]``) written to ``cache``'s
+        slots ``cache.used .. cache.used + n - 1``; row ``i`` attends the slots where
+        ``visible [n, cache.used + n]`` is True. Returns predicted features ``[n, D]``."""
+        n, at = feats.shape[0], cache.used
+        h, q, k, v = self._qkv(feats, embeds, positions)
+        cache.k[:, at:at + n] = k
+        cache.v[:, at:at + n] = v
+        cache.used = at + n
+        keys, values = cache.k[:, :at + n], cache.v[:, :at + n]
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
+        return self._finish(h, attn)
+
+
+class HeadCache:
+    """The head's keys and values, ``[H_kv, C, d]`` each: ``committed`` pairs first, then ``used -
+    committed`` pending entries (this step's drafted nodes), dropped by :meth:`rollback`."""
+
+    def __init__(self, config: EagleConfig, capacity: int, dtype: torch.dtype, device: torch.device):
+        self.k = torch.zeros(config.kv_heads, capacity, config.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.committed = self.used = 0
+
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` entries in all."""
+        if n > self.k.shape[1]:
+            size = max(n, 2 * self.k.shape[1])
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = old.new_zeros(old.shape[0], size, old.shape[2])
+                new[:, :self.used] = old[:, :self.used]
+                setattr(self, name, new)
+
+    def commit(self) -> None:
+        self.committed = self.used
+
+    def rollback(self) -> None:
+        self.used = self.committed
