@@ -202,6 +202,34 @@ def build_parser() -> argparse.ArgumentParser:
                          help="apply the tokenizer's chat template (default when it has one)")
     chat_lc.add_argument("--no-chat", dest="chat", action="store_false", help="raw text prompts")
 
+    t = sub.add_parser(
+        "train-draft", help="train a learned draft head for a model by self-distillation",
+        description="Train a draft head (eagle) for --model. The model first answers the project's own "
+                    "training prompts (templates over chat, writing, translation, summaries, questions, maths, "
+                    "code and retrieval; text from Python's standard library; questions the model writes "
+                    "itself; never Spec-Bench's), keeping its hidden states; then the head learns to predict "
+                    "them. Every stage resumes from --out when interrupted. Writes OUT/<kind>.safetensors "
+                    "(load it with --draft-head), report.json and loss.png (losses, held-out top-1 accuracy "
+                    "by draft depth).")
+    t.add_argument("--kind", default="eagle", choices=["eagle"], help="the head to train (default: %(default)s)")
+    t.add_argument("--model", default="default", help="as for generate (default: %(default)s)")
+    t.add_argument("--out", required=True, help="directory for data, checkpoints, the head and its report")
+    t.add_argument("--prompts", type=int, default=1600, help="training prompts (default: %(default)s)")
+    t.add_argument("--self-prompts", type=int, default=160,
+                   help="of --prompts, how many the model writes itself (default: %(default)s)")
+    t.add_argument("--max-new-tokens", type=int, default=256, help="response length cap (default: %(default)s)")
+    t.add_argument("--batch", type=int, default=16, help="requests answered at once (default: %(default)s)")
+    t.add_argument("--dtype", default="auto", help="the model's dtype while it answers: " + DTYPE_HELP)
+    t.add_argument("--epochs", type=int, default=4, help="passes over the data (default: %(default)s)")
+    t.add_argument("--vocab", type=int, default=8192,
+                   help="draft vocabulary: the N most frequent response tokens (FR-Spec); 0 = the whole "
+                        "vocabulary (default: %(default)s)")
+    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
+    t.add_argument("--unroll", type=int, default=2,
+                   help="training passes on the head's own predicted features (default: %(default)s)")
+    t.add_argument("--seed", type=int, default=0, help="prompt set, sampling and initialisation seed")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t.set_defaults(func=None)
     s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                        description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming, "
                                    "response_format json_object / json_schema, sampling parameters), /health "
@@ -600,6 +628,21 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_train_draft(args) -> int:
+    from .train import DraftTraining, train_draft
+
+    job = DraftTraining(model=args.model, kind=args.kind, out=args.out, prompts=args.prompts,
+                        self_prompts=min(args.self_prompts, args.prompts // 2), max_new_tokens=args.max_new_tokens,
+                        batch=args.batch, dtype=args.dtype, epochs=args.epochs, vocab=args.vocab, lr=args.lr,
+                        unroll=args.unroll, seed=args.seed)
+    summary = train_draft(job, progress=not args.no_progress)
+    depths = ", ".join(f"{a:.3f}" for a in summary["top1_by_depth"])
+    print(f"wrote {summary['head']} ({summary['samples']} samples, {summary['tokens']} response tokens, "
+          f"{summary['total_seconds']} s); held-out top-1 by depth: {depths}")
+    print(f"report: {summary['report']}, {summary['plot']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -611,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         handler = {"generate": cmd_generate, "bench": cmd_bench, "calibrate": cmd_calibrate,
-                   "longctx": cmd_longctx, "serve": cmd_serve}[args.command]
+                   "longctx": cmd_longctx, "serve": cmd_serve, "train-draft": cmd_train_draft}[args.command]
         return handler(args)
     except SpeculumError as e:
         print(f"speculum: error: {e}", file=sys.stderr)

@@ -133,8 +133,8 @@ def load_head(path: str | Path, model=None) -> LoadedHead:
     try:
         with safe_open(str(path), "pt") as f:
             header = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # a truncated or foreign file: say what it is
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file: say what it is
         raise SpeculumError(f"{path} is not a speculum draft head ({e})") from None
     kind = header.get("kind")
     if kind not in KINDS:

@@ -1,0 +1,112 @@
+"""``speculum train-draft``: train a learned draft head for a model by self-distillation.
+
+Three stages, each resumable (an interrupted run picks up where it stopped, from files in ``out``):
+
+1. prompts (:mod:`speculum.train.prompts`): the project's own set, plus questions the model writes
+   itself; recorded in ``prompts.jsonl``;
+2. data (:mod:`speculum.train.distill`): the model answers them, batched, keeping its features;
+3. training (:mod:`speculum.train.eagle`): the head, checkpointed; then ``<kind>.safetensors``,
+   ``report.json`` and ``loss.png``.
+
+Only ``eagle`` is built so far.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..errors import SpeculumError
+
+TRAINABLE = ("eagle",)
+
+
+@dataclass
+class DraftTraining:
+    """What ``train-draft`` does (its command-line options)."""
+
+    model: str = "default"
+    kind: str = "eagle"
+    out: str = "heads/default"
+    prompts: int = 1600
+    self_prompts: int = 160  # of them, written by the model itself
+    max_new_tokens: int = 256
+    batch: int = 16
+    dtype: str = "auto"  # the model's dtype while it writes the data (the head trains in float32)
+    epochs: int = 4
+    vocab: int = 8192
+    lr: float = 1e-3
+    unroll: int = 2
+    seed: int = 0
+
+
+def _own_prompts(model, tok, n: int, seed: int, progress: bool) -> list[tuple[str, str]]:
+    """``n`` prompts the model writes itself: its answers to :func:`question_requests`."""
+    from ..prompts import encode_prompt
+    from ..runners import runner_for
+    from .distill import generate_batched
+    from .prompts import question_requests
+
+    asks = [encode_prompt(tok, q) for q in question_requests(n, seed)]
+    runner = runner_for(model)
+    out: list[str | None] = [None] * n
+    if progress:
+        print(f"speculum: asking the model for {n} prompts of its own", file=sys.stderr)
+
+    def done(i, response, feats):
+        text = tok.decode(response, skip_special_tokens=True).strip().split("\n")[0].strip().strip('"')
+        out[i] = text if len(text) >= 12 else None
+
+    generate_batched(runner, tok, asks, 48, runner.num_layers, batch=16, seed=seed, on_done=done)
+    return [("self", t) for t in dict.fromkeys(x for x in out if x)]
+
+
+def train_draft(job: DraftTraining, progress: bool = True) -> dict:
+    """Run the three stages; returns the final report's summary."""
+    import torch
+
+    from ..models import load
+    from .distill import load_samples, self_distill
+    from .eagle import EagleTrainer, TrainConfig, write_report
+    from .prompts import training_prompts
+
+    if job.kind not in TRAINABLE:
+        raise SpeculumError(f"train-draft --kind {job.kind}: only {', '.join(TRAINABLE)} can be trained so far")
+    if job.prompts < 8 or job.max_new_tokens < 8 or job.epochs < 1 or job.batch < 1:
+        raise SpeculumError("train-draft needs --prompts >= 8, --max-new-tokens >= 8, --epochs >= 1, --batch >= 1")
+    out = Path(job.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    settings = out / "settings.json"
+    if settings.exists() and json.loads(settings.read_text()) != asdict(job):
+        raise SpeculumError(f"{out} holds a run with other settings ({settings}); choose another --out")
+    settings.write_text(json.dumps(asdict(job), indent=1))
+    t0 = time.time()
+    model, tok = load(job.model, job.dtype)
+    prompts_file = out / "prompts.jsonl"
+    if prompts_file.exists():
+        prompts = [tuple(json.loads(line)) for line in prompts_file.read_text().splitlines()]
+    else:
+        own = _own_prompts(model, tok, job.self_prompts, job.seed, progress) if job.self_prompts else []
+        prompts = training_prompts(job.prompts - len(own), job.seed) + own
+        prompts_file.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    shards = self_distill(model, tok, prompts, out / "data", job.max_new_tokens, batch=job.batch,
+                          seed=job.seed, progress=progress)
+    t_data = time.time() - t0
+    samples = load_samples(shards)
+    torch.manual_seed(job.seed)
+    cfg = TrainConfig(epochs=job.epochs, lr=job.lr, vocab=job.vocab, unroll=job.unroll, seed=job.seed)
+    trainer = EagleTrainer(model, samples, out, cfg, progress)
+    trainer.run()
+    t_all = time.time() - t0
+    from ..heads import target_key
+
+    meta = {"target": target_key(model), "model": job.model, "settings": asdict(job),
+            "data_seconds": round(t_data), "total_seconds": round(t_all),
+            "tokens": sum(len(s.ids) - s.prompt_len for s in samples), "samples": len(samples)}
+    head = trainer.save(out / f"{job.kind}.safetensors", meta)
+    report, png = write_report(trainer.history, out, {**meta, "coverage": trainer.coverage})
+    return {**meta, "head": str(head), "report": str(report), "plot": str(png),
+            "top1_by_depth": trainer.history.evals[-1]["top1"]}
