@@ -10,8 +10,8 @@ from prefill, then one row per generated token as it is verified. So a sample of
 A share of the responses is sampled (temperature 0.8, top-p 0.95, seeded per prompt) so that the
 heads also see the text a sampled request produces; the rest is greedy.
 
-Samples are written in shards (``data/shard-NNNNN.pt``) as they finish, so an interrupted run
-resumes where it stopped.
+Samples are written in shards (``data/shard-NNNNN.pt``) as they finish, each with its prompt's
+index, so an interrupted run resumes where it stopped; the batch never drains between shards.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class Sample:
     prompt_len: int
     kind: str
     feats: torch.Tensor  # [F, D] the target's features of ids[:F], F <= T - 1 (a last step reports none)
+    index: int = -1  # the prompt's index in the prompt set
 
 
 class RecordingDrafter(Drafter):
@@ -62,9 +63,11 @@ class RecordingDrafter(Drafter):
 
 def generate_batched(runner, tokenizer, prompts: Sequence[list[int]], max_new_tokens: int, layer: int,
                      sampled: Sequence[bool] = (), batch: int = 16, seed: int = 0,
-                     on_done: Callable[[int, list[int], torch.Tensor], None] | None = None) -> None:
+                     on_done: Callable[[int, list[int], torch.Tensor], None] | None = None,
+                     seeds: Sequence[int] = ()) -> None:
     """Answer every prompt (token ids), ``batch`` at a time in one forward per step; for each,
-    ``on_done(index, response ids, features [F, D])`` (of the first ``F < T`` tokens) as it finishes (in any order)."""
+    ``on_done(index, response ids, features [F, D])`` (of the first ``F < T`` tokens) as it finishes (in any order).
+    A sampled prompt ``i`` draws with seed ``seeds[i]`` (default ``seed + i``)."""
     engine = Engine(runner, RecordingDrafter(layer), tokenizer, max_tree=1)
     capacity = max(len(p) for p in prompts) + max_new_tokens + 2
     pool = runner.new_pool(min(batch, len(prompts)), capacity)
@@ -74,7 +77,8 @@ def generate_batched(runner, tokenizer, prompts: Sequence[list[int]], max_new_to
         while queue and len(running) < batch:
             i = queue.pop()
             params = SAMPLED if (sampled and sampled[i]) else SamplingParams()
-            d = engine.start(prompts[i], max_new_tokens, params, seed=seed + i, cache=pool.acquire(),
+            d = engine.start(prompts[i], max_new_tokens, params, seed=seeds[i] if seeds else seed + i,
+                             cache=pool.acquire(),
                              drafter=RecordingDrafter(layer))
             running.append((i, d))
         step([d for _, d in running])
@@ -94,8 +98,10 @@ def generate_batched(runner, tokenizer, prompts: Sequence[list[int]], max_new_to
 def self_distill(model, tokenizer, prompts: Sequence[tuple[str, str]], out: Path, max_new_tokens: int = 256,
                  sampled_share: float = 0.25, batch: int = 16, max_prompt: int = 768, shard: int = 64,
                  seed: int = 0, progress: bool = True, layer: int | None = None) -> list[Path]:
-    """Answer ``prompts`` (``(kind, text)``) with ``model`` and write :class:`Sample` shards to
-    ``out``; returns every shard's path (shards already there are kept: resuming)."""
+    """Answer ``prompts`` (``(kind, text)``) with ``model`` and write :class:`Sample` shards of
+    ``shard`` samples to ``out`` as they finish; returns every shard's path. Prompts answered in the
+    shards already there are skipped (resuming); which prompts are sampled, and their seeds, depend
+    on the prompt's index only."""
     from tqdm import tqdm
 
     from ..runners import runner_for
@@ -103,30 +109,36 @@ def self_distill(model, tokenizer, prompts: Sequence[tuple[str, str]], out: Path
     runner = runner_for(model)
     layer = runner.num_layers if layer is None else layer
     out.mkdir(parents=True, exist_ok=True)
-    encoded = [(kind, encode_prompt(tokenizer, text)) for kind, text in prompts]
-    encoded = [(k, ids) for k, ids in encoded if len(ids) <= max_prompt]
     shards = sorted(out.glob("shard-*.pt"))
-    start = len(shards) * shard
-    bar = tqdm(total=len(encoded), initial=min(start, len(encoded)), desc="self-distilling", unit="prompt",
-               disable=not progress)
-    for lo in range(start, len(encoded), shard):
-        part = encoded[lo:lo + shard]
-        samples: list[Sample | None] = [None] * len(part)
+    done_before = {d["index"] for p in shards for d in torch.load(p, weights_only=False)}
+    encoded = [(i, kind, encode_prompt(tokenizer, text)) for i, (kind, text) in enumerate(prompts)]
+    todo = [(i, k, ids) for i, k, ids in encoded if len(ids) <= max_prompt and i not in done_before]
+    every = max(1, round(1 / sampled_share)) if sampled_share > 0 else 0
+    bar = tqdm(total=len(todo) + len(done_before), initial=len(done_before), desc="self-distilling",
+               unit="prompt", disable=not progress)
+    pending: list[Sample] = []
 
-        def done(i, response, feats, part=part, samples=samples):
-            kind, ids = part[i]
-            samples[i] = Sample(ids + response, len(ids), kind, feats.to(torch.bfloat16).clone())
-            bar.update(1)
-
-        # one prompt in 1/sampled_share is answered by sampling: which ones is fixed by the index
-        sampled = [sampled_share > 0 and (lo + i) % max(1, round(1 / sampled_share)) == 0 for i in range(len(part))]
-        generate_batched(runner, tokenizer, [ids for _, ids in part], max_new_tokens, layer, sampled, batch,
-                         seed + lo, done)
-        path = out / f"shard-{lo // shard:05d}.pt"
+    def flush() -> None:
+        path = out / f"shard-{len(shards):05d}.pt"
         tmp = path.with_suffix(".tmp")
-        torch.save([s.__dict__ for s in samples], tmp)
+        torch.save([x.__dict__ for x in pending], tmp)
         tmp.replace(path)
         shards.append(path)
+        pending.clear()
+
+    def done(j, response, feats):
+        i, kind, ids = todo[j]
+        pending.append(Sample(ids + response, len(ids), kind, feats.to(torch.bfloat16).clone(), i))
+        bar.update(1)
+        if len(pending) >= shard:
+            flush()
+
+    if todo:
+        sampled = [bool(every) and i % every == 0 for i, _, _ in todo]
+        generate_batched(runner, tokenizer, [ids for _, _, ids in todo], max_new_tokens, layer, sampled, batch,
+                         seed, done, seeds=[seed + i for i, _, _ in todo])
+    if pending:
+        flush()
     bar.close()
     return shards
 

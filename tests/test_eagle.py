@@ -1,0 +1,199 @@
+"""The ``eagle`` drafter: lossless greedy output for every tree shape (random heads, trimmed
+vocabulary or not, alone and batched), sampled output with the target's distribution, and
+training on a tiny model raising acceptance above the untrained head's."""
+
+import json
+import random
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, tiny_gemma3, tiny_llama
+from test_sampling import PARAMS, PROMPT, VOCAB, RejectionVerifier, chi2_pvalue, exact_joint, sample_pairs
+
+from speculum.drafters.eagle import EagleDrafter
+from speculum.engine import Engine, step
+from speculum.errors import SpeculumError
+from speculum.heads import EagleConfig, EagleHead, load_head, save_head
+from speculum.methods import build_method
+from speculum.runners import NativeRunner
+from speculum.train.distill import Sample, generate_batched
+from speculum.train.eagle import EagleTrainer, TrainConfig
+from speculum.tree_sizing import CostModel
+
+
+def random_head(model, path, trimmed: bool, seed: int = 0, scale: float = 1.0):
+    """A head with random weights (``scale`` sharpens its output) saved to ``path``."""
+    torch.manual_seed(seed)
+    head = EagleHead(EagleConfig.for_target(model.config))
+    with torch.no_grad():
+        head.down.weight.mul_(scale)
+    width = model.get_output_embeddings().weight.shape[0]
+    vocab = torch.arange(0, width, 3) if trimmed else None
+    return save_head(path, "eagle", head, vocab, {"vocab": width})
+
+
+def prompts(seed: int, n: int = 4, vocab: int = TINY_VOCAB) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(1, 30))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("shape", [{"top_k": 1, "depth": 5, "max_nodes": 5}, {"top_k": 4, "depth": 4, "max_nodes": 24},
+                                   {"top_k": 8, "depth": 6, "max_nodes": 48, "sized": True}],
+                         ids=["chain", "tree", "sized_tree"])
+@pytest.mark.parametrize("trimmed", [False, True], ids=["full_vocab", "trimmed_vocab"])
+def test_greedy_eagle_equals_ar(make, shape, trimmed, tmp_path):
+    model = make()
+    path = random_head(model, tmp_path / "h.safetensors", trimmed, scale=8.0)
+    ar = build_method("ar", model, None)
+    shape = dict(shape)
+    sized = shape.pop("sized", False)
+    # a cost curve rising with the tree: the sizer trims the drafted tree by its scores
+    cost = CostModel([1, 16, 64], [64], [[0.01, 0.012, 0.03]]) if sized else None
+    eagle = build_method("eagle", model, None, draft_head=str(path), sized=sized, cost_model=cost, **shape)
+    drafted = 0
+    for p in prompts(1):
+        want = ar.run(p, 48).tokens
+        got = eagle.run(p, 48)
+        assert got.tokens == want
+        drafted += sum(s.drafted for s in got.steps)
+    assert drafted > 0
+
+
+def test_batched_eagle_equals_solo(tmp_path):
+    """Several eagle requests in one forward per step (a slot pool) give their solo outputs."""
+    model = tiny_llama()
+    path = random_head(model, tmp_path / "h.safetensors", trimmed=False, scale=8.0)
+    runner = NativeRunner(model)
+    engine = Engine(runner, EagleDrafter(model, path, top_k=3, depth=3, max_nodes=8), eos_token_ids=[])
+    ar = Engine(runner, EagleDrafter(model, path, top_k=1, depth=1, max_nodes=0), eos_token_ids=[])
+    ps = prompts(2, n=5)
+    solo = [ar.generate(p, 40).tokens for p in ps]
+    pool = runner.new_pool(len(ps), 128)
+    decodings = [engine.start(p, 40, cache=pool.acquire(), drafter=engine.drafter.fork(), prefill=i % 2 == 0)
+                 for i, p in enumerate(ps)]
+    while any(d.reason is None for d in decodings):
+        live = [d for d in decodings if d.reason is None and d.prefilled]
+        chunks = [(d, d.next_chunk(7)) for d in decodings if not d.prefilled]
+        step(live, prefills=chunks)
+    assert [d.generated for d in decodings] == solo
+
+
+def test_head_that_needs_a_gap_drafts_nothing_rather_than_wrong(tmp_path):
+    """Features handed over out of step (never by the engine) stop drafting instead of misaligning."""
+    model = tiny_llama()
+    drafter = EagleDrafter(model, random_head(model, tmp_path / "h.safetensors", False))
+    drafter.reset([1, 2, 3], PARAMS.__class__(), None)
+    assert len(drafter.propose([1, 2, 3], 8)) == 0  # the prompt's features never came
+
+
+class NoResidualVerifier(RejectionVerifier):
+    """Wrong on purpose: accepts by ``min(1, p/q)`` but after a rejection samples from p, ignoring
+    the drafter's q. (Dropping q altogether would still be exact: the point-mass rule holds for a
+    draft chosen any way independent of the target's random numbers.)"""
+
+    @staticmethod
+    def residual(p, q):
+        return p
+
+
+@pytest.fixture(scope="module")
+def sampling_model():
+    return tiny_llama(seed=3, vocab=VOCAB, logit_scale=8.0)
+
+
+def test_sampled_eagle_keeps_the_target_distribution(sampling_model, tmp_path):
+    path = random_head(sampling_model, tmp_path / "h.safetensors", trimmed=False, seed=2, scale=4.0)
+    engine = Engine(NativeRunner(sampling_model), EagleDrafter(sampling_model, path, depth=2), eos_token_ids=[])
+    n = 8000
+    p = chi2_pvalue(sample_pairs(engine, n, seed0=100), exact_joint(sampling_model), n)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+    acc = engine.generate(PROMPT, 40, PARAMS, seed=1).mean_accepted
+    assert 1.05 < acc  # drafts were accepted (and, below 1 + depth, rejected)
+
+
+def test_verifier_that_ignores_eagle_q_after_a_rejection_is_detected(sampling_model, tmp_path):
+    path = random_head(sampling_model, tmp_path / "h.safetensors", trimmed=False, seed=2, scale=4.0)
+    engine = Engine(NativeRunner(sampling_model), EagleDrafter(sampling_model, path, depth=2), eos_token_ids=[],
+                    verifier_cls=NoResidualVerifier)
+    n = 8000
+    p = chi2_pvalue(sample_pairs(engine, n, seed0=100), exact_joint(sampling_model), n)
+    assert p < 1e-6
+
+
+def test_training_raises_acceptance(tmp_path):
+    """A few seconds of training on the tiny model's own outputs beat the untrained head."""
+    model = tiny_llama(seed=5)
+    runner = NativeRunner(model)
+    rng = random.Random(0)
+    train_prompts = [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(4, 16))] for _ in range(96)]
+    samples = []
+
+    def done(i, response, feats):
+        samples.append(Sample(train_prompts[i] + response, len(train_prompts[i]), "tiny", feats))
+
+    generate_batched(runner, None, train_prompts, 48, runner.num_layers, batch=16, on_done=done)
+    cfg = TrainConfig(epochs=10, lr=3e-3, batch_pairs=1024, vocab=0, unroll=2, checkpoint_every=10_000, eval_depths=2)
+    trainer = EagleTrainer(model, samples, tmp_path / "run", cfg, progress=False)
+    untrained = trainer.save(tmp_path / "untrained.safetensors", {})
+    trainer.run()
+    trained = trainer.save(tmp_path / "trained.safetensors", {})
+    assert trainer.history.evals[-1]["top1"][0] > trainer.history.evals[0]["top1"][0] - 1e-9
+
+    def accepted(path):
+        method = build_method("eagle", model, None, draft_head=str(path), top_k=4, depth=4, max_nodes=16, sized=False)
+        ar = build_method("ar", model, None)
+        total = steps = 0
+        for p in prompts(9, n=6):
+            r = method.run(p, 40)
+            assert r.tokens == ar.run(p, 40).tokens
+            total += r.new_tokens
+            steps += len(r.steps)
+        return total / steps
+
+    before, after = accepted(untrained), accepted(trained)
+    assert after > before + 0.3, (before, after)
+    meta = load_head(trained).meta
+    assert meta["vocab"] == TINY_VOCAB and meta["train_samples"] > 0
+
+
+def test_resumed_training_continues_from_its_checkpoint(tmp_path):
+    model = tiny_llama(seed=5)
+    rng = random.Random(1)
+    samples = [Sample([rng.randrange(TINY_VOCAB) for _ in range(30)], 5, "tiny", torch.randn(29, 64))
+               for _ in range(12)]
+    cfg = TrainConfig(epochs=2, batch_pairs=64, vocab=0, unroll=1, checkpoint_every=1, eval_depths=1)
+    first = EagleTrainer(model, samples, tmp_path, cfg, progress=False)
+    first.run()
+    again = EagleTrainer(model, samples, tmp_path, cfg, progress=False)
+    again.run()  # everything is done: nothing more happens
+    assert again.step == first.step and len(again.history.steps) == first.step
+    other = EagleTrainer(model, samples, tmp_path, TrainConfig(epochs=3, batch_pairs=64, vocab=0), progress=False)
+    with pytest.raises(ValueError, match="other training settings"):
+        other.run()
+
+
+def test_head_files_are_checked(tmp_path):
+    small, other = tiny_llama(), tiny_gemma3()
+    path = random_head(small, tmp_path / "h.safetensors", trimmed=False)
+    with pytest.raises(SpeculumError, match="does not exist"):
+        build_method("eagle", small, None, draft_head=str(tmp_path / "missing.safetensors"))
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a head")
+    with pytest.raises(SpeculumError, match="not a speculum draft head"):
+        build_method("eagle", small, None, draft_head=str(bad))
+    wide = tiny_llama(vocab=TINY_VOCAB * 2)
+    with pytest.raises(SpeculumError, match="vocabulary"):
+        build_method("eagle", wide, None, draft_head=str(path))
+    with pytest.raises(SpeculumError, match="ships none"):
+        build_method("eagle", other, None)
+    assert json.loads(json.dumps(load_head(path).meta)) == {"vocab": TINY_VOCAB}
+
+
+def test_wrong_hidden_size_is_refused(tmp_path):
+    model = tiny_llama()
+    torch.manual_seed(0)
+    cfg = EagleConfig(hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)
+    path = save_head(tmp_path / "h.safetensors", "eagle", EagleHead(cfg), None, {"vocab": TINY_VOCAB})
+    with pytest.raises(SpeculumError, match="hidden size"):
+        build_method("eagle", model, None, draft_head=str(path))
