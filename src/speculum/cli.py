@@ -40,6 +40,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--draft-model", default=None,
                    help="draft model for the draft_model and hf_assisted methods (same tokenizer as --model)")
+    p.add_argument("--draft-head", default=None,
+                   help="a trained head file for the learned drafters (eagle), from `speculum train-draft` "
+                        "(default: the head speculum ships for --model, if any)")
     _add_runner_arg(p)
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
@@ -242,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     s.add_argument("--method", default="auto", help=f"default drafter: {', '.join(ENGINE_METHODS[:-1])} "
                                                      "(default: %(default)s)")
+    s.add_argument("--draft-head", default=None,
+                   help="a trained head file for the learned drafters (eagle), from `speculum train-draft` "
+                        "(default: the head speculum ships for --model, if any)")
     s.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     s.add_argument("--max-queue", type=int, default=16,
@@ -357,7 +363,7 @@ def cmd_generate(args) -> int:
         raise SpeculumError("--close-reserve takes a token count >= 0, with a constraint (--json-schema, ...)")
     policy = make_policy(args.kv_policy, args.kv_budget)
     model, tok, draft, draft_tok = _load(args, [args.method], args.prompt)
-    method = build_method(args.method, model, tok, draft, draft_tok, kv_policy=policy)
+    method = build_method(args.method, model, tok, draft, draft_tok, kv_policy=policy, draft_head=args.draft_head)
     grammar = method.compile(spec, args.close_reserve) if spec is not None else None
     ids = encode_prompt(tok, args.prompt, args.chat)
     text = StreamingText(tok, args.stop)
@@ -423,7 +429,9 @@ def cmd_bench(args) -> int:
         prompts = load_prompts(args.data or demo_prompts_path(), args.per_task)
     model, tok, draft, draft_tok = _load(args, methods)
     results, records = run_benchmark(model, tok, prompts, methods, args.max_new_tokens, sampling, args.chat,
-                                     draft, draft_tok, seed=args.seed or 0, progress=not args.no_progress)
+                                     draft, draft_tok, seed=args.seed or 0, progress=not args.no_progress,
+                                     method_options={m: {"draft_head": args.draft_head} for m in methods
+                                                     if args.draft_head})
     meta = bench_meta(model, _settings(args))
     out = write_outputs(args.out, results, records, meta)
     print(markdown_table({**meta, **results}))
@@ -581,6 +589,10 @@ def cmd_serve(args) -> int:
                             "--grammar-timeout must be positive")
     if args.deterministic and args.runner == "hf":
         raise SpeculumError("--deterministic needs the native runner (--runner native or auto)")
+    if args.draft_head:
+        from .heads import load_head
+
+        load_head(args.draft_head)  # a missing or foreign file is refused now, not at the first request
     split = lambda text: tuple(x.strip() for x in (text or "").split(",") if x.strip())
     keys = tuple(args.api_key or ()) + split(os.environ.get("SPECULUM_API_KEY"))
     if any(not k.strip() or any(c.isspace() for c in k) for k in keys):
@@ -595,7 +607,7 @@ def cmd_serve(args) -> int:
     if engines > 1:
         config = EngineConfig(args.model, args.dtype, args.device, args.runner, args.threads or max(1, cores // engines),
                               args.method, args.max_tree, args.share_drafter_state, args.deterministic,
-                              args.max_batch, args.prefix_cache_mb)
+                              args.max_batch, args.prefix_cache_mb, args.draft_head)
         tok, _ = load_tokenizer_and_config(args.model)
         pool = EnginePool(config, engines, Metrics(), args.max_queue)
         if pool.skipped:
@@ -608,7 +620,7 @@ def cmd_serve(args) -> int:
         release_if_native(model)  # the server runs only engine methods
         state = ServerState(model, tok, name, args.method, args.max_queue, args.max_tree, limits,
                             args.share_drafter_state, deterministic=args.deterministic, max_batch=args.max_batch,
-                            prefix_cache_mb=args.prefix_cache_mb)
+                            prefix_cache_mb=args.prefix_cache_mb, draft_head=args.draft_head)
     if not args.no_access_log:
         logging.getLogger("speculum.access").setLevel(logging.INFO)
     if not keys and args.host not in LOOPBACK_NAMES:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
+from ..heads import find_head
 from .ar import AutoregressiveDrafter
 from .auto import AutoDrafter
 from .base import Drafter
@@ -43,6 +44,14 @@ class DrafterEntry:
     max_tree: int = 64
 
 
+def _auto(target=None, draft_head=None, learned: bool = True, **options) -> AutoDrafter:
+    """``auto``, with an ``eagle`` arm when a head for the target is given or shipped (``learned``)."""
+    eagle = None
+    if learned and target is not None and (draft_head or find_head(target, "eagle")):
+        eagle = EagleDrafter(target, draft_head)
+    return AutoDrafter(eagle=eagle, **options)
+
+
 def _mix(**options) -> MixDrafter:
     return MixDrafter([SuffixMergedDrafter(), RecyclingDrafter(tree="scored", pair_context=True)], **options)
 
@@ -60,7 +69,8 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "recycling_scored": DrafterEntry(partial(RecyclingDrafter, tree="scored", pair_context=True),
                                      "speculum's Token Recycling: best-first tree, token-pair table", scored=True),
     "mix": DrafterEntry(_mix, "suffix_merged and recycling_scored candidates in one tree", scored=True),
-    "auto": DrafterEntry(AutoDrafter, "a bandit over mix / ngram / none by measured tokens per second", scored=True),
+    "auto": DrafterEntry(_auto, "a bandit over mix / ngram / eagle / none by measured tokens per second",
+                         scored=True, needs_target=True),
     "draft_model": DrafterEntry(DraftModelDrafter, "a smaller model with the same tokenizer drafts chains",
                                 needs_draft_model=True),
     "eagle": DrafterEntry(EagleDrafter, "a trained EAGLE feature head drafting EAGLE-2's dynamic tree",

@@ -17,6 +17,10 @@ nothing; the bandit also catches costs the sizer does not model.
 
 The arms share their state (one suffix trie, one recycling matrix), so every arm keeps learning
 from every step whichever arm drafted it.
+
+With a trained head for the target (shipped, or ``draft_head``), ``eagle`` is one more arm; it
+reads the target's hidden states of every step, whichever arm drafted it, so its own cache stays
+in step.
 """
 
 from __future__ import annotations
@@ -37,14 +41,19 @@ from .suffix_merged import SuffixMergedDrafter
 class AutoDrafter(Drafter):
     name = "auto"
 
-    def __init__(self, gamma: float = 0.99, explore: float = 0.25, clock=time.perf_counter):
+    def __init__(self, gamma: float = 0.99, explore: float = 0.25, clock=time.perf_counter,
+                 eagle: Drafter | None = None):
         self.suffix, self.recycling = SuffixMergedDrafter(), RecyclingDrafter(tree="scored", pair_context=True)
         self.ngram = NgramDrafter()
+        self.eagle = eagle
         self.arms: dict[str, Drafter] = {
             "mix": MixDrafter([self.suffix, self.recycling]),
             "ngram": self.ngram,
             "none": AutoregressiveDrafter(),
         }
+        if eagle is not None:
+            self.arms["eagle"] = eagle
+            self.hidden_layers = eagle.hidden_layers
         self.gamma, self.explore, self.clock = gamma, explore, clock
         self.tokens_sum = dict.fromkeys(self.arms, 0.0)  # discounted tokens committed by each arm
         self.time_sum = dict.fromkeys(self.arms, 0.0)  # discounted seconds spent in its steps
@@ -58,13 +67,16 @@ class AutoDrafter(Drafter):
         twin.suffix, twin.recycling, twin.ngram = self.suffix.fork(), self.recycling.fork(), self.ngram.fork()
         twin.arms = {"mix": MixDrafter([twin.suffix, twin.recycling]), "ngram": twin.ngram,
                      "none": self.arms["none"].fork()}
+        if self.eagle is not None:
+            twin.eagle = twin.arms["eagle"] = self.eagle.fork()
         twin.chosen, twin._pending = [], None
         return twin
 
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
-        for d in (self.suffix, self.recycling, self.ngram):
-            d.reset(prompt_ids, params, generator)
+        for d in (self.suffix, self.recycling, self.ngram, self.eagle):
+            if d is not None:
+                d.reset(prompt_ids, params, generator)
         # a new request may be a different kind of text: halve the evidence so every arm gets
         # re-tried early (estimates are kept, confidence is not)
         for a in self.arms:
@@ -111,6 +123,10 @@ class AutoDrafter(Drafter):
 
     def propose(self, tokens: list[int], budget: int) -> DraftTree:
         return self.arms[self.start_step(len(tokens))].propose(tokens, budget)
+
+    def see_hidden(self, hidden) -> None:
+        if self.eagle is not None:
+            self.eagle.see_hidden(hidden)
 
     def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits=None) -> None:
         self.arms["mix"].update(tokens, tree, acceptance, logits)  # the suffix trie and recycling table

@@ -27,6 +27,7 @@ cat-sat .3, dog-ran .27, cat-is .18; with ``max_nodes=4``: cat, dog, cat-sat, do
 from __future__ import annotations
 
 import math
+import weakref
 from pathlib import Path
 
 import torch
@@ -35,6 +36,23 @@ from ..errors import SpeculumError
 from ..heads import HeadCache, TargetTables, find_head, load_head
 from ..tree import DraftTree
 from .base import Drafter
+
+# target model -> {head file: (head module, target tables)}: every eagle method of one target (a
+# server builds one per tenant) shares one copy of a head's weights
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _load(target: torch.nn.Module, path: Path):
+    per_target = _LOADED.setdefault(target, {})
+    key = str(path.resolve())
+    if key not in per_target:
+        loaded = load_head(path, target)
+        if loaded.kind != "eagle":
+            raise SpeculumError(f"{path} holds a {loaded.kind} head, not an eagle head")
+        weight = target.get_output_embeddings().weight
+        head = loaded.module.to(weight.dtype).to(weight.device)
+        per_target[key] = head, TargetTables.of(target, loaded.draft_vocab, weight.dtype)
+    return per_target[key]
 
 
 class EagleDrafter(Drafter):
@@ -46,15 +64,14 @@ class EagleDrafter(Drafter):
         if path is None:
             raise SpeculumError("eagle needs a trained head: speculum ships none for this model; train one with "
                                 "`speculum train-draft --kind eagle` and pass --draft-head PATH")
-        loaded = load_head(path, target)
-        if loaded.kind != "eagle":
-            raise SpeculumError(f"{path} holds a {loaded.kind} head, not an eagle head")
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise SpeculumError(f"draft head {str(path)!r} does not exist")
+        self.head, self.tables = _load(target, path)
         weight = target.get_output_embeddings().weight
         self.dtype, self.device = weight.dtype, weight.device
-        self.head = loaded.module.to(self.dtype).to(self.device)
-        self.tables = TargetTables.of(target, loaded.draft_vocab, self.dtype)
         self.vocab_size = weight.shape[0]
-        layer = loaded.module.config.feature_layer
+        layer = self.head.config.feature_layer
         self.hidden_layers = (target.config.get_text_config().num_hidden_layers if layer < 0 else layer,)
         self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
         self.path = Path(path)

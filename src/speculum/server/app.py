@@ -83,10 +83,11 @@ class ServerState:
     def __init__(self, model, tokenizer, model_name: str, method: str = "auto", max_queue: int = 16,
                  max_tree: int = 64, limits: RequestLimits | None = None, share_drafter_state: bool = False,
                  max_tenants: int = 64, deterministic: bool | None = None, max_batch: int | None = None,
-                 prefix_cache_mb: int = 256, worker: bool = True):
+                 prefix_cache_mb: int = 256, worker: bool = True, draft_head: str | None = None):
         if method not in SERVABLE_METHODS:
             raise SpeculumError(f"unknown method {method!r}; choose from {', '.join(SERVABLE_METHODS)}")
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
+        self.draft_head = draft_head  # the learned drafters' head file (None: the shipped one)
         self.default_method, self.max_tree = method, max_tree
         self.limits = limits or RequestLimits()
         self.share_drafter_state, self.max_tenants = share_drafter_state, max_tenants
@@ -174,8 +175,12 @@ class ServerState:
             if method is not None:
                 methods.move_to_end(key)
                 return method
+        # the server's auto leaves out the learned arm: its head forwards run per sequence, which a
+        # batch pays for every step, and its requests cannot reuse cached prefixes (they need the
+        # prompt's hidden states); ask for method "eagle" to get it
         method = build_method(name, self.model, self.tokenizer, runner=self.runner, max_tree=self.max_tree,
-                              chains_only=self.chains_only, kv_policy=None if kv is None else make_policy(*kv))
+                              chains_only=self.chains_only, kv_policy=None if kv is None else make_policy(*kv),
+                              draft_head=self.draft_head, **({"learned": False} if name == "auto" else {}))
         with self._tenants_lock:
             method = methods.setdefault(key, method)
             variants = [k for k in methods if isinstance(k, tuple)]

@@ -56,6 +56,7 @@ class EngineConfig:
     deterministic: bool | None = None
     max_batch: int | None = None
     prefix_cache_mb: int = 256
+    draft_head: str | None = None
 
 
 @dataclass
@@ -92,7 +93,8 @@ def _engine_main(conn, config: EngineConfig) -> None:  # pragma: no cover - runs
         release_if_native(model)
         state = ServerState(model, tok, config.model, config.method, max_tree=config.max_tree,
                             share_drafter_state=config.share_drafter_state, deterministic=config.deterministic,
-                            max_batch=config.max_batch, prefix_cache_mb=config.prefix_cache_mb, worker=False)
+                            max_batch=config.max_batch, prefix_cache_mb=config.prefix_cache_mb, worker=False,
+                            draft_head=config.draft_head)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
     except BaseException as e:  # noqa: BLE001 - reported to the HTTP process, which refuses to start
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
