@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from speculum.drafters.base import Drafter
+from speculum.heads import EagleConfig, EagleHead, save_head
 from speculum.tree import DraftTree
 
 TINY_VOCAB = 96
@@ -190,3 +191,15 @@ def serve_in_thread(app):
             break
         time.sleep(0.05)
     return srv, thread, port
+
+
+def random_head(model, path, trimmed: bool = False, seed: int = 0, scale: float = 8.0):
+    """An EAGLE head with random weights (``scale`` sharpens its output) saved to ``path``; ``trimmed``:
+    a draft vocabulary of every third token."""
+    torch.manual_seed(seed)
+    head = EagleHead(EagleConfig.for_target(model.config))
+    with torch.no_grad():
+        head.down.weight.mul_(scale)
+    width = model.get_output_embeddings().weight.shape[0]
+    vocab = torch.arange(0, width, 3) if trimmed else None
+    return save_head(path, "eagle", head, vocab, {"vocab": width})

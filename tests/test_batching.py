@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, OracleDrafter, tiny_llama
+from conftest import TINY_VOCAB, OracleDrafter, random_head, tiny_llama
 from test_sampling import (
     PARAMS,
     PROMPT,
@@ -100,23 +100,29 @@ COST = CostModel([1, 16, 64], [64], [[1.0, 1.3, 3.0]], sequences=[1, 4, 16], row
                  batch_seconds=[[1.0, 1.4], [1.2, 2.5], [2.0, 6.0]])
 
 
-def _engines(runner):
-    """One engine per registered drafter (the scored ones sized by the batch sizer)."""
+def _engines(runner, model, head):
+    """One engine per registered drafter (the scored ones sized by the batch sizer); the learned ones
+    with the random head file ``head``."""
     out = {}
     for name, entry in DRAFTERS.items():
-        drafter = entry.factory(draft_model=tiny_llama(seed=9)) if entry.needs_draft_model else entry.factory()
+        if entry.needs_draft_model:
+            drafter = entry.factory(draft_model=tiny_llama(seed=9))
+        elif entry.needs_target:
+            drafter = entry.factory(target=model, draft_head=head)
+        else:
+            drafter = entry.factory()
         out[name] = Engine(runner, drafter, eos_token_ids=[], max_tree=12,
                            sizer=TreeSizer(COST) if entry.scored else None)
     return out
 
 
 @pytest.mark.parametrize("max_batch", [3, 8])
-def test_batch_greedy_equals_solo_ar_for_every_drafter(tiny_model, max_batch):
+def test_batch_greedy_equals_solo_ar_for_every_drafter(tiny_model, max_batch, tmp_path):
     """Requests of every drafter share batches; fewer slots than requests, and different lengths,
     so that requests join and leave mid-way. Half of them share a prefix (the prefix cache)."""
     runner = NativeRunner(tiny_model)
     ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
-    engines = _engines(runner)
+    engines = _engines(runner, tiny_model, random_head(tiny_model, tmp_path / "eagle.safetensors"))
     shared = [random.Random(5).randrange(TINY_VOCAB) for _ in range(40)]
     prompts = _prompts(12, 1) + _prompts(12, 2, shared)
     rng = random.Random(max_batch)

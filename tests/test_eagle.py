@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, tiny_gemma3, tiny_llama
+from conftest import TINY_VOCAB, random_head, tiny_gemma3, tiny_llama
 from test_sampling import PARAMS, PROMPT, VOCAB, RejectionVerifier, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.drafters.eagle import EagleDrafter
@@ -19,17 +19,6 @@ from speculum.runners import NativeRunner
 from speculum.train.distill import Sample, generate_batched
 from speculum.train.eagle import EagleTrainer, TrainConfig
 from speculum.tree_sizing import CostModel
-
-
-def random_head(model, path, trimmed: bool, seed: int = 0, scale: float = 1.0):
-    """A head with random weights (``scale`` sharpens its output) saved to ``path``."""
-    torch.manual_seed(seed)
-    head = EagleHead(EagleConfig.for_target(model.config))
-    with torch.no_grad():
-        head.down.weight.mul_(scale)
-    width = model.get_output_embeddings().weight.shape[0]
-    vocab = torch.arange(0, width, 3) if trimmed else None
-    return save_head(path, "eagle", head, vocab, {"vocab": width})
 
 
 def prompts(seed: int, n: int = 4, vocab: int = TINY_VOCAB) -> list[list[int]]:
@@ -197,3 +186,30 @@ def test_wrong_hidden_size_is_refused(tmp_path):
     path = save_head(tmp_path / "h.safetensors", "eagle", EagleHead(cfg), None, {"vocab": TINY_VOCAB})
     with pytest.raises(SpeculumError, match="hidden size"):
         build_method("eagle", model, None, draft_head=str(path))
+
+
+def test_auto_with_an_eagle_arm_equals_ar(tiny_model, tmp_path):
+    """``auto`` with the learned arm (given a head) stays lossless; its eagle arm keeps reading hidden
+    states on the steps other arms draft."""
+    path = random_head(tiny_model, tmp_path / "h.safetensors")
+    auto = build_method("auto", tiny_model, None, draft_head=str(path), sized=False)
+    assert "eagle" in auto.engine.drafter.arms
+    ar = build_method("ar", tiny_model, None)
+    chosen = set()
+    for p in prompts(4, n=8):
+        assert auto.run(p, 40).tokens == ar.run(p, 40).tokens
+        chosen.update(auto.engine.drafter.chosen)
+    assert "eagle" in chosen
+
+
+def test_eagle_on_the_hf_runner(tmp_path):
+    """Hidden states from transformers' own modules feed the head just as well."""
+    from speculum.runners import HFRunner
+
+    model = tiny_llama()
+    path = random_head(model, tmp_path / "h.safetensors", trimmed=True)
+    runner = HFRunner(model)
+    ar = Engine(runner, EagleDrafter(model, path, top_k=1, depth=1, max_nodes=0), eos_token_ids=[])
+    eagle = Engine(runner, EagleDrafter(model, path, top_k=4, depth=4, max_nodes=16), eos_token_ids=[])
+    for p in prompts(6):
+        assert eagle.generate(p, 40).tokens == ar.generate(p, 40).tokens

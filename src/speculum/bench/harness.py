@@ -43,6 +43,9 @@ class Record:
     forwards: int
     time_s: float
     tokens: list[int]
+    draft_s: float = 0.0  # drafting time over the request's steps (engine methods)
+    verify_s: float = 0.0  # verification forwards' time
+    steps: int = 0  # engine steps (0 for transformers' methods)
 
     @property
     def tok_s(self) -> float:
@@ -101,7 +104,8 @@ def run_benchmark(model, tokenizer, prompts: list[Prompt], methods: list[str], m
             bar.set_postfix_str(f"{prompt.task}:{m}")
             r = built[m].run(ids, max_new_tokens, sampling, seed=seed + i)
             records.append(Record(m, prompt.question_id, prompt.task, r.new_tokens, r.forwards, r.time_s,
-                                  r.tokens))
+                                  r.tokens, sum(s.draft_s for s in r.steps), sum(s.verify_s for s in r.steps),
+                                  len(r.steps)))
             bar.update()
     bar.close()
     return summarize(records, methods), records
@@ -118,6 +122,10 @@ def _stats(recs: list[Record], ref_mean: dict[str, float | None], ar_tokens: dic
         "identical_frac": None,
         "prompts": len(recs),
     }
+    steps = sum(r.steps for r in recs)
+    if steps:  # engine methods: where a step's time goes
+        out["draft_ms_per_step"] = round(1000 * sum(r.draft_s for r in recs) / steps, 3)
+        out["verify_ms_per_step"] = round(1000 * sum(r.verify_s for r in recs) / steps, 3)
     if ar_tokens is not None:
         same = [r.tokens == ar_tokens[r.question_id] for r in recs if r.question_id in ar_tokens]
         out["identical_frac"] = round(sum(same) / len(same), 4) if same else None

@@ -16,13 +16,15 @@ def markdown_table(results: dict) -> str:
         (f"Model `{results.get('model')}`, dtype {results.get('dtype')}, "
         f"{results.get('machine', {}).get('processor', '')} ({results.get('machine', {}).get('device', '')})."),
         "",
-        "| method | tok/s | speedup vs hf | speedup vs ar | mean accepted | identical to ar |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| method | tok/s | speedup vs hf | speedup vs ar | mean accepted | draft ms/step | verify ms/step "
+        "| identical to ar |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, entry in methods.items():
         o = entry["overall"]
         lines.append(f"| {name} | {_fmt(o['tok_s'], 1)} | {_fmt(o['speedup_vs_hf'], 2, 'x')} | "
                      f"{_fmt(o['speedup_vs_ar'], 2, 'x')} | {_fmt(o['mean_accepted'])} | "
+                     f"{_fmt(o.get('draft_ms_per_step'), 1)} | {_fmt(o.get('verify_ms_per_step'), 1)} | "
                      f"{_fmt(o['identical_frac'])} |")
     tasks = list(dict.fromkeys(t for e in methods.values() for t in e["by_task"]))
     ref = "speedup_vs_hf" if "hf" in methods else "speedup_vs_ar"
