@@ -16,8 +16,8 @@ def markdown_table(results: dict) -> str:
         (f"Model `{results.get('model')}`, dtype {results.get('dtype')}, "
         f"{results.get('machine', {}).get('processor', '')} ({results.get('machine', {}).get('device', '')})."),
         "",
-        "| method | tok/s | speedup vs hf | speedup vs ar | mean accepted | draft ms/step | verify ms/step "
-        "| identical to ar |",
+        ("| method | tok/s | speedup vs hf | speedup vs ar | mean accepted | draft ms/step | verify ms/step "
+         "| identical to ar |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, entry in methods.items():
