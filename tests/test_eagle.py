@@ -213,3 +213,39 @@ def test_eagle_on_the_hf_runner(tmp_path):
     eagle = Engine(runner, EagleDrafter(model, path, top_k=4, depth=4, max_nodes=16), eos_token_ids=[])
     for p in prompts(6):
         assert eagle.generate(p, 40).tokens == ar.generate(p, 40).tokens
+
+
+def test_eagle_runs_in_bfloat16(tmp_path):
+    """The head and the target's tables run in the target's dtype (output equality is float32's)."""
+    model = tiny_llama().to(torch.bfloat16)
+    path = random_head(model, tmp_path / "h.safetensors", trimmed=True)
+    out = build_method("eagle", model, None, draft_head=str(path), sized=False).run(prompts(7)[0], 24)
+    sampled = build_method("eagle", model, None, draft_head=str(path), sized=False).run(
+        prompts(7)[1], 24, PARAMS, seed=3)
+    assert len(out.tokens) == 24 and len(sampled.tokens) == 24
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drafting_step_computes_the_trained_function(dtype):
+    """The fused (and, in bfloat16, prepacked) drafting path equals the training forward, so the
+    head drafts with what it learned: causal pairs fed in two parts against one teacher-forced pass."""
+    from speculum.heads import HeadCache
+
+    torch.manual_seed(0)
+    cfg = EagleConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128)
+    head = EagleHead(cfg).to(dtype).eval()
+    feats, embeds = torch.randn(1, 11, 64, dtype=dtype), torch.randn(1, 11, 64, dtype=dtype)
+    with torch.no_grad():
+        want = head(feats, embeds)[0]
+        head.freeze()
+        cache = HeadCache(cfg, 4, dtype, torch.device("cpu"))
+        parts = []
+        for lo, hi in ((0, 6), (6, 11)):
+            n = hi - lo
+            visible = torch.ones(n, hi, dtype=torch.bool)
+            visible[:, lo:] = torch.ones(n, n, dtype=torch.bool).tril()
+            cache.reserve(hi)
+            parts.append(head.step(feats[0, lo:hi], embeds[0, lo:hi], torch.arange(lo, hi), cache, visible))
+            cache.commit()
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(torch.cat(parts), want, rtol=tol, atol=tol)

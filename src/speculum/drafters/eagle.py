@@ -30,6 +30,7 @@ import math
 import weakref
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..errors import SpeculumError
@@ -50,7 +51,7 @@ def _load(target: torch.nn.Module, path: Path):
         if loaded.kind != "eagle":
             raise SpeculumError(f"{path} holds a {loaded.kind} head, not an eagle head")
         weight = target.get_output_embeddings().weight
-        head = loaded.module.to(weight.dtype).to(weight.device)
+        head = loaded.module.to(weight.dtype).to(weight.device).freeze()
         per_target[key] = head, TargetTables.of(target, loaded.draft_vocab, weight.dtype)
     return per_target[key]
 
@@ -129,7 +130,7 @@ class EagleDrafter(Drafter):
         drafted, qs = [], []
         slots: list[int] = []
         for i in range(k):
-            q = self.params.probs(self._full_logits(self.tables.logits(feat.float())))
+            q = self.params.probs(self._full_logits(self.tables.logits(feat).float()))
             nxt = int(torch.multinomial(q, 1, generator=self.generator))
             drafted.append(nxt)
             qs.append(q)
@@ -151,42 +152,41 @@ class EagleDrafter(Drafter):
         parents: list[int] = []
         scores: list[float] = []
         slot: dict[int, int] = {}  # node -> its entry in the head's cache (expanded nodes)
-        anc: dict[int, list[int]] = {}  # node -> cache slots of its expanded ancestors
+        anc: dict[int, list[int]] = {-1: []}  # node -> cache slots of its expanded ancestors
 
-        def add_children(parent: int, logp: torch.Tensor, base: float) -> list[int]:
-            top = logp.topk(min(k, logp.shape[-1]))
-            ids = self._token_ids(top.indices).tolist()
+        def add_children(nodes: list[int], logp: torch.Tensor) -> list[int]:
+            """The top ``k`` children of each of ``nodes`` (-1: the root) from ``logp [len(nodes), K]``."""
+            top = logp.topk(min(k, logp.shape[-1]), dim=-1)
+            ids, vals = self._token_ids(top.indices).tolist(), top.values.tolist()
             made = []
-            for tok, lp in zip(ids, top.values.tolist()):
-                made.append(len(tokens))
-                tokens.append(tok)
-                parents.append(parent)
-                scores.append(base + lp)
+            for node, row_ids, row_vals in zip(nodes, ids, vals):
+                base = scores[node] if node >= 0 else 0.0
+                for tok, lp in zip(row_ids, row_vals):
+                    made.append(len(tokens))
+                    tokens.append(tok)
+                    parents.append(node)
+                    scores.append(base + lp)
             return made
 
-        logp = torch.log_softmax(self.tables.logits(root_feat.float()), -1)
-        level = add_children(-1, logp, 0.0)
+        level = add_children([-1], torch.log_softmax(self.tables.logits(root_feat[None]).float(), -1))
         feats = {-1: root_feat}
         for depth in range(1, min(self.depth, budget)):
             frontier = sorted(level, key=lambda i: -scores[i])[:k]
             m = len(frontier)
-            visible = torch.zeros(m, c.used + m, dtype=torch.bool, device=self.device)
+            visible = np.zeros((m, c.used + m), dtype=bool)
             visible[:, :c.committed] = True
             for r, node in enumerate(frontier):
-                p = parents[node]
-                anc[node] = (anc[p] + [slot[p]]) if p >= 0 else []
+                anc[node] = anc[parents[node]] + ([slot[parents[node]]] if parents[node] >= 0 else [])
                 visible[r, anc[node]] = True
                 slot[node] = c.used + r
                 visible[r, c.used + r] = True
             parent_feats = torch.stack([feats[parents[i]] for i in frontier])
             ids = torch.tensor([tokens[i] for i in frontier], device=self.device)
             positions = torch.full((m,), root_pos + depth - 1, device=self.device)
-            out = self.head.step(parent_feats, self.tables.embeds(ids), positions, c, visible)  # [m, D]
-            logp = torch.log_softmax(self.tables.logits(out.float()), -1)  # [m, K]
-            level = []
-            for r, node in enumerate(frontier):
-                feats[node] = out[r]
-                level += add_children(node, logp[r], scores[node])
+            out = self.head.step(parent_feats, self.tables.embeds(ids), positions, c,
+                                 torch.from_numpy(visible).to(self.device))  # [m, D]
+            feats.update(zip(frontier, out))
+            level = add_children(frontier, torch.log_softmax(self.tables.logits(out).float(), -1))
         kept: set[int] = set()
         best = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:min(self.max_nodes, budget)]
         keep: list[int] = []

@@ -68,6 +68,12 @@ class TargetTables:
     vocab: torch.Tensor | None
     softcap: float | None
 
+    def __post_init__(self):
+        from ..runners.packed import packed_linear
+
+        # for drafting (no gradient): the head's rows prepacked for oneDNN where that applies
+        self.packed = packed_linear(self.head) if not self.head.requires_grad else None
+
     @classmethod
     def of(cls, model, draft_vocab: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> TargetTables:
         """The tables of a transformers causal LM ``model`` (its embedding and LM head, which the native
@@ -91,7 +97,10 @@ class TargetTables:
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Predicted features ``[..., D]`` -> draft-vocabulary logits ``[..., K]``."""
-        out = feats @ self.head.T
+        if self.packed is not None and not torch.is_grad_enabled():
+            out = self.packed(feats)
+        else:
+            out = feats @ self.head.T
         if self.softcap is not None:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out

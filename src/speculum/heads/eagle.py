@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..runners.packed import packed_linear
+
 
 @dataclass(frozen=True)
 class EagleConfig:
@@ -120,19 +122,47 @@ class EagleHead(nn.Module):
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self._finish(h, attn)
 
+    def freeze(self) -> EagleHead:
+        """Ready for drafting: q/k/v and gate/up fused into one product each, prepacked for oneDNN
+        where the weights are bfloat16 on a CPU that runs it (:func:`~speculum.runners.packed.packed_linear`).
+        Call again after the weights change."""
+        def lin(weight: torch.Tensor, bias: torch.Tensor | None = None):
+            weight = weight.detach().contiguous()
+            bias = None if bias is None else bias.detach()
+            packed = packed_linear(weight, bias)
+            return packed if packed is not None else (lambda x: F.linear(x, weight, bias))
+
+        self._fast = {
+            "fc": lin(self.fc.weight, self.fc.bias),
+            "qkv": lin(torch.cat((self.q.weight, self.k.weight, self.v.weight))),
+            "o": lin(self.o.weight),
+            "gate_up": lin(torch.cat((self.gate.weight, self.up.weight))),
+            "down": lin(self.down.weight),
+        }
+        return self
+
     def step(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, cache: HeadCache,
              visible: torch.Tensor) -> torch.Tensor:
-        """Drafting: ``n`` pairs (``feats, embeds [n, D]`` at ``positions [n]``) written to ``cache``'s
-        slots ``cache.used .. cache.used + n - 1``; row ``i`` attends the slots where
-        ``visible [n, cache.used + n]`` is True. Returns predicted features ``[n, D]``."""
+        """Drafting (after :meth:`freeze`): ``n`` pairs (``feats, embeds [n, D]`` at ``positions [n]``)
+        written to ``cache``'s slots ``cache.used .. cache.used + n - 1``; row ``i`` attends the slots
+        where ``visible [n, cache.used + n]`` is True. Returns predicted features ``[n, D]``, the
+        same function as :meth:`forward`'s."""
+        c, fast = self.config, self._fast
         n, at = feats.shape[0], cache.used
-        h, q, k, v = self._qkv(feats, embeds, positions)
+        h = fast["fc"](torch.cat((embeds, feats), dim=-1))
+        qkv = fast["qkv"](F.rms_norm(h, (c.hidden,), self.input_norm.weight, c.eps))
+        qkv = qkv.view(n, c.heads + 2 * c.kv_heads, c.head_dim).transpose(0, 1)  # [H + 2 H_kv, n, d]
+        cos, sin = self.rope(positions, h.dtype)
+        q, k, v = qkv.split((c.heads, c.kv_heads, c.kv_heads))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         cache.k[:, at:at + n] = k
         cache.v[:, at:at + n] = v
         cache.used = at + n
         keys, values = cache.k[:, :at + n], cache.v[:, :at + n]
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
-        return self._finish(h, attn)
+        h = h + fast["o"](attn.transpose(0, 1).reshape(n, c.heads * c.head_dim))
+        gate, up = fast["gate_up"](F.rms_norm(h, (c.hidden,), self.post_norm.weight, c.eps)).chunk(2, dim=-1)
+        return h + fast["down"](F.silu(gate) * up)
 
 
 class HeadCache:
