@@ -249,3 +249,17 @@ def test_drafting_step_computes_the_trained_function(dtype):
             cache.commit()
     tol = 1e-5 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(torch.cat(parts), want, rtol=tol, atol=tol)
+
+
+def test_catching_up_in_pieces_drafts_the_same(monkeypatch, tmp_path):
+    """A long prompt's pairs go through the head in pieces; the drafts do not change."""
+    import speculum.drafters.eagle as eagle_module
+
+    model = tiny_llama()
+    path = random_head(model, tmp_path / "h.safetensors")
+    p = prompts(8, n=1)[0] + prompts(9, n=1)[0] + prompts(10, n=1)[0]
+    whole = build_method("eagle", model, None, draft_head=str(path), sized=False).run(p, 30)
+    monkeypatch.setattr(eagle_module, "CATCH_UP_CHUNK", 5)
+    pieces = build_method("eagle", model, None, draft_head=str(path), sized=False).run(p, 30)
+    assert pieces.tokens == whole.tokens
+    assert [s.accepted for s in pieces.steps] == [s.accepted for s in whole.steps]

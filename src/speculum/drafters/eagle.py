@@ -38,6 +38,8 @@ from ..heads import HeadCache, TargetTables, find_head, load_head
 from ..tree import DraftTree
 from .base import Drafter
 
+CATCH_UP_CHUNK = 512  # pairs per head forward while catching up (a prompt's)
+
 # target model -> {head file: (head module, target tables)}: every eagle method of one target (a
 # server builds one per tenant) shares one copy of a head's weights
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -108,12 +110,15 @@ class EagleDrafter(Drafter):
         c = self.cache
         c.reserve(c.used + n + self.top_k * (1 + self.top_k * self.depth))
         ids = torch.tensor(tokens[self.fed + 1:], device=self.device)
-        positions = torch.arange(self.fed, self.fed + n, device=self.device)
-        visible = torch.ones(n, c.used + n, dtype=torch.bool, device=self.device)
-        visible[:, c.used:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-        out = self.head.step(feats.to(self.dtype), self.tables.embeds(ids), positions, c, visible)
-        c.commit()
-        self.fed += n
+        feats = feats.to(self.dtype)
+        for lo in range(0, n, CATCH_UP_CHUNK):  # a long prompt in pieces: the mask is [rows, keys]
+            m = min(CATCH_UP_CHUNK, n - lo)
+            visible = torch.ones(m, c.used + m, dtype=torch.bool, device=self.device)
+            visible[:, c.used:] = torch.ones(m, m, dtype=torch.bool, device=self.device).tril()
+            positions = torch.arange(self.fed, self.fed + m, device=self.device)
+            out = self.head.step(feats[lo:lo + m], self.tables.embeds(ids[lo:lo + m]), positions, c, visible)
+            c.commit()
+            self.fed += m
         return out[-1]
 
     def _full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:

@@ -110,8 +110,11 @@ def self_distill(model, tokenizer, prompts: Sequence[tuple[str, str]], out: Path
     layer = runner.num_layers if layer is None else layer
     out.mkdir(parents=True, exist_ok=True)
     shards = sorted(out.glob("shard-*.pt"))
-    done_before = {d["index"] for p in shards for d in torch.load(p, weights_only=False)}
     encoded = [(i, kind, encode_prompt(tokenizer, text)) for i, (kind, text) in enumerate(prompts)]
+    fits = [i for i, _, ids in encoded if len(ids) <= max_prompt]
+    # shards of the first version carry no index: they hold the fitting prompts in order
+    done_before = {d.get("index", fits[pos] if pos < len(fits) else -1)
+                   for pos, d in enumerate(d for p in shards for d in torch.load(p, weights_only=False))}
     todo = [(i, k, ids) for i, k, ids in encoded if len(ids) <= max_prompt and i not in done_before]
     every = max(1, round(1 / sampled_share)) if sampled_share > 0 else 0
     bar = tqdm(total=len(todo) + len(done_before), initial=len(done_before), desc="self-distilling",
