@@ -36,7 +36,7 @@ class DraftTraining:
     max_new_tokens: int = 256
     batch: int = 16
     dtype: str = "auto"  # the model's dtype while it writes the data (the head trains in float32)
-    epochs: int = 4
+    epochs: int = 10
     vocab: int = 8192
     lr: float = 1e-3
     unroll: int = 2

@@ -38,7 +38,7 @@ from .distill import Sample
 
 @dataclass
 class TrainConfig:
-    epochs: int = 4
+    epochs: int = 10
     lr: float = 1e-3
     weight_decay: float = 0.0
     batch_pairs: int = 4096  # pairs (tokens) per optimiser step
