@@ -118,10 +118,10 @@ def test_training_raises_acceptance(tmp_path):
     train_prompts = [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(4, 16))] for _ in range(96)]
     samples = []
 
-    def done(i, response, feats):
-        samples.append(Sample(train_prompts[i] + response, len(train_prompts[i]), "tiny", feats))
+    def done(i, response, hidden):
+        samples.append(Sample(train_prompts[i] + response, len(train_prompts[i]), "tiny", hidden[runner.num_layers]))
 
-    generate_batched(runner, None, train_prompts, 48, runner.num_layers, batch=16, on_done=done)
+    generate_batched(runner, None, train_prompts, 48, (runner.num_layers,), batch=16, on_done=done)
     cfg = TrainConfig(epochs=10, lr=3e-3, batch_pairs=1024, vocab=0, unroll=2, checkpoint_every=10_000, eval_depths=2)
     trainer = EagleTrainer(model, samples, tmp_path / "run", cfg, progress=False)
     untrained = trainer.save(tmp_path / "untrained.safetensors", {})

@@ -10,7 +10,8 @@ cached ``t``, the target's true features), which predicts the root's feature. Th
   log-probability;
 - each further depth: the ``top_k`` nodes of the last depth with the highest cumulative score are
   expanded in one head forward (each node's pair is its parent's *predicted* feature and its own
-  token, attending its ancestors), each giving ``top_k`` children;
+  token, attending its ancestors), each giving ``top_k`` children; nodes whose path probability
+  fell below ``min_path_prob`` are not expanded, and drafting stops where none is left;
 - finally every node created is reranked by cumulative score and the best ``max_nodes`` (a tree:
   a child never outscores its parent) are proposed, their scores ``exp(cumulative log-prob)`` the
   engine's tree sizer trims by.
@@ -62,7 +63,7 @@ class EagleDrafter(Drafter):
     name = "eagle"
 
     def __init__(self, target: torch.nn.Module, draft_head: str | Path | None = None, top_k: int = 8,
-                 depth: int = 6, max_nodes: int = 48):
+                 depth: int = 6, max_nodes: int = 48, min_path_prob: float = 0.02):
         path = draft_head or find_head(target, "eagle")
         if path is None:
             raise SpeculumError("eagle needs a trained head: speculum ships none for this model; train one with "
@@ -77,6 +78,7 @@ class EagleDrafter(Drafter):
         layer = self.head.config.feature_layer
         self.hidden_layers = (target.config.get_text_config().num_hidden_layers if layer < 0 else layer,)
         self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
+        self.min_log_prob = math.log(min_path_prob) if min_path_prob > 0 else -math.inf
         self.path = Path(path)
 
     def reset(self, prompt_ids, params, generator):
@@ -176,7 +178,9 @@ class EagleDrafter(Drafter):
         level = add_children([-1], torch.log_softmax(self.tables.logits(root_feat[None]).float(), -1))
         feats = {-1: root_feat}
         for depth in range(1, min(self.depth, budget)):
-            frontier = sorted(level, key=lambda i: -scores[i])[:k]
+            frontier = [i for i in sorted(level, key=lambda i: -scores[i])[:k] if scores[i] >= self.min_log_prob]
+            if not frontier:  # no path left worth a head forward: stop drafting deeper
+                break
             m = len(frontier)
             visible = np.zeros((m, c.used + m), dtype=bool)
             visible[:, :c.committed] = True

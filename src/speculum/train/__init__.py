@@ -60,12 +60,26 @@ def _own_prompts(model, tok, n: int, seed: int, progress: bool) -> list[tuple[st
         text = tok.decode(response, skip_special_tokens=True).strip().split("\n")[0].strip().strip('"')
         out[i] = text if len(text) >= 12 else None
 
-    generate_batched(runner, tok, asks, 48, runner.num_layers, batch=16, seed=seed, on_done=done)
+    generate_batched(runner, tok, asks, 48, (runner.num_layers,), batch=16, seed=seed, on_done=done)
     return [("self", t) for t in dict.fromkeys(x for x in out if x)]
 
 
+DATA_FIELDS = ("model", "prompts", "self_prompts", "max_new_tokens", "dtype", "seed")
+
+
+def _check_settings(path: Path, settings: dict, what: str) -> None:
+    """Record ``settings`` in ``path``, refusing a directory that holds a run with other ones."""
+    if path.exists() and json.loads(path.read_text()) != settings:
+        raise SpeculumError(f"{path.parent} holds {what} made with other settings ({path}); choose another --out")
+    path.write_text(json.dumps(settings, indent=1))
+
+
 def train_draft(job: DraftTraining, progress: bool = True) -> dict:
-    """Run the three stages; returns the final report's summary."""
+    """Run the three stages; returns the final report's summary.
+
+    Layout of ``job.out``: ``prompts.jsonl`` and ``data/`` (shared by every head kind trained there
+    from the same data settings, ``data-settings.json``), then per kind ``<kind>/`` (settings,
+    checkpoint, ``report.json``, ``loss.png``) and the head, ``<kind>.safetensors``."""
     import torch
 
     from ..models import load
@@ -78,11 +92,11 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
     if job.prompts < 8 or job.max_new_tokens < 8 or job.epochs < 1 or job.batch < 1:
         raise SpeculumError("train-draft needs --prompts >= 8, --max-new-tokens >= 8, --epochs >= 1, --batch >= 1")
     out = Path(job.out).expanduser()
-    out.mkdir(parents=True, exist_ok=True)
-    settings = out / "settings.json"
-    if settings.exists() and json.loads(settings.read_text()) != asdict(job):
-        raise SpeculumError(f"{out} holds a run with other settings ({settings}); choose another --out")
-    settings.write_text(json.dumps(asdict(job), indent=1))
+    run_dir = out / job.kind
+    run_dir.mkdir(parents=True, exist_ok=True)
+    settings = asdict(job)
+    _check_settings(out / "data-settings.json", {k: settings[k] for k in DATA_FIELDS}, "training data")
+    _check_settings(run_dir / "settings.json", settings, f"a {job.kind} run")
     t0 = time.time()
     model, tok = load(job.model, job.dtype)
     prompts_file = out / "prompts.jsonl"
@@ -98,15 +112,15 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
     samples = load_samples(shards)
     torch.manual_seed(job.seed)
     cfg = TrainConfig(epochs=job.epochs, lr=job.lr, vocab=job.vocab, unroll=job.unroll, seed=job.seed)
-    trainer = EagleTrainer(model, samples, out, cfg, progress)
+    trainer = EagleTrainer(model, samples, run_dir, cfg, progress)
     trainer.run()
     t_all = time.time() - t0
     from ..heads import target_key
 
-    meta = {"target": target_key(model), "model": job.model, "settings": asdict(job),
+    meta = {"target": target_key(model), "model": job.model, "settings": settings,
             "data_seconds": round(t_data), "total_seconds": round(t_all),
             "tokens": sum(len(s.ids) - s.prompt_len for s in samples), "samples": len(samples)}
     head = trainer.save(out / f"{job.kind}.safetensors", meta)
-    report, png = write_report(trainer.history, out, {**meta, "coverage": trainer.coverage})
+    report, png = write_report(trainer.history, run_dir, {**meta, "coverage": trainer.coverage})
     return {**meta, "head": str(head), "report": str(report), "plot": str(png),
             "top1_by_depth": trainer.history.evals[-1]["top1"]}
