@@ -7,12 +7,13 @@ import os
 import random
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from speculum.drafters.base import Drafter
-from speculum.heads import EagleConfig, EagleHead, save_head
+from speculum.heads import HEAD_KINDS, save_head
 from speculum.tree import DraftTree
 
 TINY_VOCAB = 96
@@ -193,13 +194,28 @@ def serve_in_thread(app):
     return srv, thread, port
 
 
-def random_head(model, path, trimmed: bool = False, seed: int = 0, scale: float = 8.0):
-    """An EAGLE head with random weights (``scale`` sharpens its output) saved to ``path``; ``trimmed``:
+def random_head(model, path, trimmed: bool = False, seed: int = 0, scale: float = 8.0, kind: str = "eagle"):
+    """A ``kind`` head with random weights (``scale`` sharpens its output) saved to ``path``; ``trimmed``:
     a draft vocabulary of every third token."""
+    config_cls, module_cls = HEAD_KINDS[kind]
     torch.manual_seed(seed)
-    head = EagleHead(EagleConfig.for_target(model.config))
+    # kangaroo: exit after the first layer (the tiny models have 2 to 4)
+    head = module_cls(config_cls.for_target(model.config, **({"exit_layer": 1} if kind == "kangaroo" else {})))
     with torch.no_grad():
-        head.down.weight.mul_(scale)
+        if kind == "eagle":
+            head.down.weight.mul_(scale)
+        else:  # medusa / hydra start as the identity: make every head draft something else
+            for name, p in head.named_parameters():
+                if name.endswith("linear.weight"):
+                    p.normal_(0, scale / p.shape[1] ** 0.5)
+                elif name.endswith("proj.weight"):
+                    p.add_(torch.randn_like(p) / p.shape[1] ** 0.5)
     width = model.get_output_embeddings().weight.shape[0]
     vocab = torch.arange(0, width, 3) if trimmed else None
-    return save_head(path, "eagle", head, vocab, {"vocab": width})
+    return save_head(path, kind, head, vocab, {"vocab": width})
+
+
+def random_heads(model, folder, trimmed: bool = False, seed: int = 0) -> tuple:
+    """One random head file of every kind, for methods that take several (``--draft-head a,b,c``)."""
+    return tuple(random_head(model, Path(folder) / f"{kind}.safetensors", trimmed, seed, kind=kind)
+                 for kind in HEAD_KINDS)

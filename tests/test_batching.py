@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, OracleDrafter, random_head, tiny_llama
+from conftest import TINY_VOCAB, OracleDrafter, random_heads, tiny_llama
 from test_sampling import (
     PARAMS,
     PROMPT,
@@ -122,7 +122,7 @@ def test_batch_greedy_equals_solo_ar_for_every_drafter(tiny_model, max_batch, tm
     so that requests join and leave mid-way. Half of them share a prefix (the prefix cache)."""
     runner = NativeRunner(tiny_model)
     ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
-    engines = _engines(runner, tiny_model, random_head(tiny_model, tmp_path / "eagle.safetensors"))
+    engines = _engines(runner, tiny_model, random_heads(tiny_model, tmp_path))
     shared = [random.Random(5).randrange(TINY_VOCAB) for _ in range(40)]
     prompts = _prompts(12, 1) + _prompts(12, 2, shared)
     rng = random.Random(max_batch)

@@ -40,9 +40,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--draft-model", default=None,
                    help="draft model for the draft_model and hf_assisted methods (same tokenizer as --model)")
-    p.add_argument("--draft-head", default=None,
-                   help="a trained head file for the learned drafters (eagle), from `speculum train-draft` "
-                        "(default: the head speculum ships for --model, if any)")
+    p.add_argument("--draft-head", default=None, type=_head_files, metavar="FILE[,FILE...]",
+                   help=HEAD_HELP)
     _add_runner_arg(p)
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
@@ -52,6 +51,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+
+
+HEAD_HELP = ("trained head files for the learned drafters (eagle, medusa, hydra, kangaroo), from `speculum train-draft`, "
+             "comma-separated, each used for its kind (default: the heads speculum ships for --model, if any)")
+
+
+def _head_files(text: str) -> tuple[str, ...]:
+    """``--draft-head a.safetensors,b.safetensors`` -> the file names."""
+    files = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not files:
+        raise argparse.ArgumentTypeError("give at least one head file")
+    return files
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,14 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser(
         "train-draft", help="train a learned draft head for a model by self-distillation",
-        description="Train a draft head (eagle) for --model. The model first answers the project's own "
+        description="Train a draft head (--kind) for --model. The model first answers the project's own "
                     "training prompts (templates over chat, writing, translation, summaries, questions, maths, "
                     "code and retrieval; text from Python's standard library; questions the model writes "
                     "itself; never Spec-Bench's), keeping its hidden states; then the head learns to predict "
                     "them. Every stage resumes from --out when interrupted. Writes OUT/<kind>.safetensors "
                     "(load it with --draft-head), report.json and loss.png (losses, held-out top-1 accuracy "
                     "by draft depth).")
-    t.add_argument("--kind", default="eagle", choices=["eagle"], help="the head to train (default: %(default)s)")
+    t.add_argument("--kind", default="eagle", choices=["eagle", "medusa", "hydra", "kangaroo"],
+                   help="the head to train (default: %(default)s); kinds trained into one --out share its data")
     t.add_argument("--model", default="default", help="as for generate (default: %(default)s)")
     t.add_argument("--out", required=True, help="directory for data, checkpoints, the head and its report")
     t.add_argument("--prompts", type=int, default=1600, help="training prompts (default: %(default)s)")
@@ -230,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
     t.add_argument("--unroll", type=int, default=2,
                    help="training passes on the head's own predicted features (default: %(default)s)")
+    t.add_argument("--heads", type=int, default=4, help="medusa / hydra: heads, i.e. draft depth (default: %(default)s)")
+    t.add_argument("--exit-layer", type=int, default=2,
+                   help="kangaroo: the target layers its draft runs before the adapter (default: %(default)s)")
     t.add_argument("--seed", type=int, default=0, help="prompt set, sampling and initialisation seed")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(func=None)
@@ -245,9 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     s.add_argument("--method", default="auto", help=f"default drafter: {', '.join(ENGINE_METHODS[:-1])} "
                                                      "(default: %(default)s)")
-    s.add_argument("--draft-head", default=None,
-                   help="a trained head file for the learned drafters (eagle), from `speculum train-draft` "
-                        "(default: the head speculum ships for --model, if any)")
+    s.add_argument("--draft-head", default=None, type=_head_files, metavar="FILE[,FILE...]", help=HEAD_HELP)
     s.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     s.add_argument("--max-queue", type=int, default=16,
@@ -590,9 +603,10 @@ def cmd_serve(args) -> int:
     if args.deterministic and args.runner == "hf":
         raise SpeculumError("--deterministic needs the native runner (--runner native or auto)")
     if args.draft_head:
-        from .heads import load_head
+        from .heads import head_kind
 
-        load_head(args.draft_head)  # a missing or foreign file is refused now, not at the first request
+        for path in args.draft_head:
+            head_kind(path)  # a missing or foreign file is refused now, not at the first request
     split = lambda text: tuple(x.strip() for x in (text or "").split(",") if x.strip())
     keys = tuple(args.api_key or ()) + split(os.environ.get("SPECULUM_API_KEY"))
     if any(not k.strip() or any(c.isspace() for c in k) for k in keys):
@@ -646,7 +660,7 @@ def cmd_train_draft(args) -> int:
     job = DraftTraining(model=args.model, kind=args.kind, out=args.out, prompts=args.prompts,
                         self_prompts=min(args.self_prompts, args.prompts // 2), max_new_tokens=args.max_new_tokens,
                         batch=args.batch, dtype=args.dtype, epochs=args.epochs, vocab=args.vocab, lr=args.lr,
-                        unroll=args.unroll, seed=args.seed)
+                        unroll=args.unroll, heads=args.heads, exit_layer=args.exit_layer, seed=args.seed)
     summary = train_draft(job, progress=not args.no_progress)
     depths = ", ".join(f"{a:.3f}" for a in summary["top1_by_depth"])
     print(f"wrote {summary['head']} ({summary['samples']} samples, {summary['tokens']} response tokens, "

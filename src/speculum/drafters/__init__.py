@@ -11,12 +11,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from ..heads import find_head
+from ..heads import find_head, pick_head
 from .ar import AutoregressiveDrafter
 from .auto import AutoDrafter
 from .base import Drafter
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
+from .hydra import HydraDrafter
+from .kangaroo import KangarooDrafter
+from .medusa import MedusaDrafter
 from .mix import MixDrafter
 from .ngram import NgramDrafter
 from .recycling import RecyclingDrafter
@@ -45,10 +48,11 @@ class DrafterEntry:
 
 
 def _auto(target=None, draft_head=None, learned: bool = True, **options) -> AutoDrafter:
-    """``auto``, with an ``eagle`` arm when a head for the target is given or shipped (``learned``)."""
+    """``auto``, with an ``eagle`` arm when an eagle head for the target is given or shipped (``learned``)."""
     eagle = None
-    if learned and target is not None and (draft_head or find_head(target, "eagle")):
-        eagle = EagleDrafter(target, draft_head)
+    path = (pick_head(draft_head, "eagle") or find_head(target, "eagle")) if learned and target is not None else None
+    if path is not None:
+        eagle = EagleDrafter(target, path)
     return AutoDrafter(eagle=eagle, **options)
 
 
@@ -75,7 +79,13 @@ DRAFTERS: dict[str, DrafterEntry] = {
                                 needs_draft_model=True),
     "eagle": DrafterEntry(EagleDrafter, "a trained EAGLE feature head drafting EAGLE-2's dynamic tree",
                           scored=True, needs_target=True),
+    "medusa": DrafterEntry(MedusaDrafter, "trained Medusa-1 heads on the target's last feature, best-first tree",
+                           scored=True, needs_target=True),
+    "hydra": DrafterEntry(HydraDrafter, "trained Hydra heads (Medusa heads reading the drafted tokens), "
+                          "dynamic tree", scored=True, needs_target=True),
+    "kangaroo": DrafterEntry(KangarooDrafter, "the target's first layers and a trained adapter draft chains with "
+                             "early exit (Kangaroo)", scored=True, needs_target=True),
 }
 
 __all__ = ["DRAFTERS", "AutoDrafter", "AutoregressiveDrafter", "DraftModelDrafter", "Drafter", "DrafterEntry", "EagleDrafter",
-           "MixDrafter", "NgramDrafter", "RecyclingDrafter", "SuffixDrafter", "SuffixMergedDrafter"]
+           "HydraDrafter", "KangarooDrafter", "MedusaDrafter", "MixDrafter", "NgramDrafter", "RecyclingDrafter", "SuffixDrafter", "SuffixMergedDrafter"]

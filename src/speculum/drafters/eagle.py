@@ -4,59 +4,29 @@ tree (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic
 The head (:mod:`speculum.heads.eagle`) reads the target's final-norm hidden state at each committed
 token, which the engine hands over as the tokens are cached (:meth:`Drafter.see_hidden`). Each
 step the head first catches up on the pairs it has not seen (``(f_t, x_{t+1})`` for every newly
-cached ``t``, the target's true features), which predicts the root's feature. Then, greedy:
-
-- depth 1: the root's ``top_k`` most likely tokens become nodes, scored by their draft
-  log-probability;
-- each further depth: the ``top_k`` nodes of the last depth with the highest cumulative score are
-  expanded in one head forward (each node's pair is its parent's *predicted* feature and its own
-  token, attending its ancestors), each giving ``top_k`` children; nodes whose path probability
-  fell below ``min_path_prob`` are not expanded, and drafting stops where none is left;
-- finally every node created is reranked by cumulative score and the best ``max_nodes`` (a tree:
-  a child never outscores its parent) are proposed, their scores ``exp(cumulative log-prob)`` the
-  engine's tree sizer trims by.
+cached ``t``, the target's true features), which predicts the root's feature. Then, greedy, it
+grows EAGLE-2's dynamic tree (:mod:`speculum.drafters.dynamic_tree`): expanding a node is one
+head forward whose pair is the parent's *predicted* feature and the node's token, attending the
+node's ancestors in the head's cache; all nodes of one depth go in one forward.
 
 Sampled requests draft a chain, each token drawn from the head's own distribution q (the request's
 temperature / top-k / top-p applied to the draft logits), q attached for the verifier's ``min(1, p/q)``.
 With a trimmed draft vocabulary, q is zero outside it: still exact.
-
-Example (greedy, ``top_k=2``, depth 2): root "The"; head: "cat" 0.6, "dog" 0.3; expand both:
-"cat" -> "sat" 0.5, "is" 0.3; "dog" -> "ran" 0.9, ...; cumulative scores: cat .6, dog .3,
-cat-sat .3, dog-ran .27, cat-is .18; with ``max_nodes=4``: cat, dog, cat-sat, dog-ran.
 """
 
 from __future__ import annotations
 
-import math
-import weakref
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..errors import SpeculumError
-from ..heads import HeadCache, TargetTables, find_head, load_head
+from ..heads import HeadCache, head_for_target
 from ..tree import DraftTree
 from .base import Drafter
+from .dynamic_tree import DynamicTree
 
 CATCH_UP_CHUNK = 512  # pairs per head forward while catching up (a prompt's)
-
-# target model -> {head file: (head module, target tables)}: every eagle method of one target (a
-# server builds one per tenant) shares one copy of a head's weights
-_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _load(target: torch.nn.Module, path: Path):
-    per_target = _LOADED.setdefault(target, {})
-    key = str(path.resolve())
-    if key not in per_target:
-        loaded = load_head(path, target)
-        if loaded.kind != "eagle":
-            raise SpeculumError(f"{path} holds a {loaded.kind} head, not an eagle head")
-        weight = target.get_output_embeddings().weight
-        head = loaded.module.to(weight.dtype).to(weight.device).freeze()
-        per_target[key] = head, TargetTables.of(target, loaded.draft_vocab, weight.dtype)
-    return per_target[key]
 
 
 class EagleDrafter(Drafter):
@@ -64,22 +34,14 @@ class EagleDrafter(Drafter):
 
     def __init__(self, target: torch.nn.Module, draft_head: str | Path | None = None, top_k: int = 8,
                  depth: int = 6, max_nodes: int = 48, min_path_prob: float = 0.02):
-        path = draft_head or find_head(target, "eagle")
-        if path is None:
-            raise SpeculumError("eagle needs a trained head: speculum ships none for this model; train one with "
-                                "`speculum train-draft --kind eagle` and pass --draft-head PATH")
-        path = Path(path).expanduser()
-        if not path.is_file():
-            raise SpeculumError(f"draft head {str(path)!r} does not exist")
-        self.head, self.tables = _load(target, path)
+        self.head, self.tables, self.path = head_for_target(target, "eagle", draft_head)
         weight = target.get_output_embeddings().weight
         self.dtype, self.device = weight.dtype, weight.device
         self.vocab_size = weight.shape[0]
         layer = self.head.config.feature_layer
         self.hidden_layers = (target.config.get_text_config().num_hidden_layers if layer < 0 else layer,)
         self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
-        self.min_log_prob = math.log(min_path_prob) if min_path_prob > 0 else -math.inf
-        self.path = Path(path)
+        self.min_path_prob = min_path_prob
 
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
@@ -154,54 +116,32 @@ class EagleDrafter(Drafter):
         return DraftTree.chain(drafted, torch.stack(qs))
 
     def _tree(self, root_feat: torch.Tensor, root_pos: int, budget: int) -> DraftTree:
-        k, c = self.top_k, self.cache
-        tokens: list[int] = []
-        parents: list[int] = []
-        scores: list[float] = []
+        c = self.cache
+        grow = DynamicTree(self.top_k, self.min_path_prob)
         slot: dict[int, int] = {}  # node -> its entry in the head's cache (expanded nodes)
         anc: dict[int, list[int]] = {-1: []}  # node -> cache slots of its expanded ancestors
-
-        def add_children(nodes: list[int], logp: torch.Tensor) -> list[int]:
-            """The top ``k`` children of each of ``nodes`` (-1: the root) from ``logp [len(nodes), K]``."""
-            top = logp.topk(min(k, logp.shape[-1]), dim=-1)
-            ids, vals = self._token_ids(top.indices).tolist(), top.values.tolist()
-            made = []
-            for node, row_ids, row_vals in zip(nodes, ids, vals):
-                base = scores[node] if node >= 0 else 0.0
-                for tok, lp in zip(row_ids, row_vals):
-                    made.append(len(tokens))
-                    tokens.append(tok)
-                    parents.append(node)
-                    scores.append(base + lp)
-            return made
-
-        level = add_children([-1], torch.log_softmax(self.tables.logits(root_feat[None]).float(), -1))
+        level = grow.add_children([-1], torch.log_softmax(self.tables.logits(root_feat[None]).float(), -1),
+                                  self._token_ids)
         feats = {-1: root_feat}
         for depth in range(1, min(self.depth, budget)):
-            frontier = [i for i in sorted(level, key=lambda i: -scores[i])[:k] if scores[i] >= self.min_log_prob]
+            frontier = grow.frontier(level)
             if not frontier:  # no path left worth a head forward: stop drafting deeper
                 break
             m = len(frontier)
             visible = np.zeros((m, c.used + m), dtype=bool)
             visible[:, :c.committed] = True
             for r, node in enumerate(frontier):
-                anc[node] = anc[parents[node]] + ([slot[parents[node]]] if parents[node] >= 0 else [])
+                parent = grow.parents[node]
+                anc[node] = anc[parent] + ([slot[parent]] if parent >= 0 else [])
                 visible[r, anc[node]] = True
                 slot[node] = c.used + r
                 visible[r, c.used + r] = True
-            parent_feats = torch.stack([feats[parents[i]] for i in frontier])
-            ids = torch.tensor([tokens[i] for i in frontier], device=self.device)
+            parent_feats = torch.stack([feats[grow.parents[i]] for i in frontier])
+            ids = torch.tensor([grow.tokens[i] for i in frontier], device=self.device)
             positions = torch.full((m,), root_pos + depth - 1, device=self.device)
             out = self.head.step(parent_feats, self.tables.embeds(ids), positions, c,
                                  torch.from_numpy(visible).to(self.device))  # [m, D]
             feats.update(zip(frontier, out))
-            level = add_children(frontier, torch.log_softmax(self.tables.logits(out).float(), -1))
-        kept: set[int] = set()
-        best = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[:min(self.max_nodes, budget)]
-        keep: list[int] = []
-        for i in sorted(best):  # creation order is topological; a tie may have cut a parent
-            if parents[i] < 0 or parents[i] in kept:
-                keep.append(i)
-                kept.add(i)
-        tree = DraftTree(tokens, parents, scores=[math.exp(s) for s in scores])
-        return tree.subtree(keep)
+            level = grow.add_children(frontier, torch.log_softmax(self.tables.logits(out).float(), -1),
+                                      self._token_ids)
+        return grow.result(min(self.max_nodes, budget))

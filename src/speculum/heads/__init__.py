@@ -10,6 +10,8 @@ packaged models ship in ``speculum/heads/weights/<target key>/<kind>.safetensors
 from __future__ import annotations
 
 import json
+import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,12 +19,43 @@ import torch
 
 from ..errors import SpeculumError
 from .eagle import EagleConfig, EagleHead, HeadCache
+from .hydra import HydraConfig, HydraHeads
+from .kangaroo import KangarooAdapter, KangarooConfig
+from .medusa import MedusaConfig, MedusaHeads
 
 SHIPPED = Path(__file__).parent / "weights"
-KINDS = ("eagle",)
+# kind -> (config class, module class): a module takes its config and has ``freeze()`` for drafting
+HEAD_KINDS: dict[str, tuple[type, type[torch.nn.Module]]] = {
+    "eagle": (EagleConfig, EagleHead),
+    "medusa": (MedusaConfig, MedusaHeads),
+    "hydra": (HydraConfig, HydraHeads),
+    "kangaroo": (KangarooConfig, KangarooAdapter),
+}
+KINDS = tuple(HEAD_KINDS)
 
-__all__ = ["KINDS", "EagleConfig", "EagleHead", "HeadCache", "LoadedHead", "TargetTables", "find_head",
-           "load_head", "save_head", "target_key"]
+__all__ = [
+    "HEAD_KINDS",
+    "KINDS",
+    "EagleConfig",
+    "EagleHead",
+    "HeadCache",
+    "HeadFiles",
+    "HydraConfig",
+    "HydraHeads",
+    "KangarooAdapter",
+    "KangarooConfig",
+    "LoadedHead",
+    "MedusaConfig",
+    "MedusaHeads",
+    "TargetTables",
+    "find_head",
+    "head_for_target",
+    "head_kind",
+    "load_head",
+    "pick_head",
+    "save_head",
+    "target_key",
+]
 
 
 def target_key(model) -> str:
@@ -111,12 +144,12 @@ class LoadedHead:
     """A head read from disk: the module, its kind, its draft vocabulary and its metadata."""
 
     kind: str
-    module: EagleHead
+    module: torch.nn.Module
     draft_vocab: torch.Tensor | None  # [K] token ids, or None for the whole vocabulary
     meta: dict
 
 
-def save_head(path: str | Path, kind: str, module: EagleHead, draft_vocab: torch.Tensor | None, meta: dict) -> Path:
+def save_head(path: str | Path, kind: str, module: torch.nn.Module, draft_vocab: torch.Tensor | None, meta: dict) -> Path:
     """Write ``module``'s weights in bfloat16 (and ``draft_vocab``) to one safetensors file."""
     from safetensors.torch import save_file
 
@@ -136,22 +169,16 @@ def load_head(path: str | Path, model=None) -> LoadedHead:
     """Read a head file; with ``model``, check that it fits that target (hidden size, vocabulary)."""
     from safetensors import safe_open
 
+    kind = head_kind(path)  # checks that it is a head file
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise SpeculumError(f"draft head {str(path)!r} does not exist")
-    try:
-        with safe_open(str(path), "pt") as f:
-            header = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
-    except Exception as e:  # noqa: BLE001 - a truncated or foreign file: say what it is
-        raise SpeculumError(f"{path} is not a speculum draft head ({e})") from None
-    kind = header.get("kind")
-    if kind not in KINDS:
-        raise SpeculumError(f"{path} is not a speculum draft head (kind {kind!r}; known: {', '.join(KINDS)})")
-    config = EagleConfig(**json.loads(header["config"]))
+    with safe_open(str(path), "pt") as f:
+        header = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
+    config_cls, module_cls = HEAD_KINDS[kind]
+    config = config_cls(**json.loads(header["config"]))
     meta = json.loads(header.get("meta", "{}"))
     vocab = tensors.pop("draft_vocab", None)
-    module = EagleHead(config)
+    module = module_cls(config)
     module.load_state_dict({k: v.float() for k, v in tensors.items()})
     module.eval().requires_grad_(False)
     if model is not None:
@@ -164,3 +191,66 @@ def load_head(path: str | Path, model=None) -> LoadedHead:
             raise SpeculumError(f"draft head {path.name} was trained for a vocabulary of {meta.get('vocab')}, "
                                 f"this model's logits are {width} wide")
     return LoadedHead(kind, module, vocab, meta)
+
+
+# target model -> {head file: (frozen head module, target tables)}: every method of one target (a
+# server builds one per tenant) shares one copy of a head's weights
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+HeadFiles = str | Path | Sequence[str | Path] | None  # head files a user gave (--draft-head), any kinds
+
+
+def head_kind(path: str | Path) -> str:
+    """The kind written in a head file's header (a missing or foreign file raises :class:`SpeculumError`)."""
+    from safetensors import safe_open
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise SpeculumError(f"draft head {str(path)!r} does not exist")
+    try:
+        with safe_open(str(path), "pt") as f:
+            kind = (f.metadata() or {}).get("kind")
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file: say what it is
+        raise SpeculumError(f"{path} is not a speculum draft head ({e})") from None
+    if kind not in KINDS:
+        raise SpeculumError(f"{path} is not a speculum draft head (kind {kind!r}; known: {', '.join(KINDS)})")
+    return kind
+
+
+def pick_head(files: HeadFiles, kind: str) -> Path | None:
+    """The file of ``kind`` among ``files`` (a path or several, matched by the kind in each header)."""
+    if files is None:
+        return None
+    for path in [files] if isinstance(files, str | Path) else files:
+        if head_kind(path) == kind:
+            return Path(path).expanduser()
+    return None
+
+
+def head_for_target(target: torch.nn.Module, kind: str, files: HeadFiles) -> tuple[torch.nn.Module, TargetTables, Path]:
+    """The ``kind`` head among the user's ``files`` (default: the one shipped for ``target``), in the
+    target's dtype and device and ready to draft, with the target tables it drafts through; loaded
+    once per target."""
+    path = pick_head(files, kind)
+    if files and path is None:
+        given = ", ".join(str(p) for p in ([files] if isinstance(files, str | Path) else files))
+        raise SpeculumError(f"no {kind} head among the draft-head files given ({given})")
+    path = path or find_head(target, kind)
+    if path is None:
+        raise SpeculumError(f"{kind} needs a trained head: speculum ships none for this model; train one with "
+                            f"`speculum train-draft --kind {kind}` and pass --draft-head PATH")
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise SpeculumError(f"draft head {str(path)!r} does not exist")
+    per_target = _LOADED.setdefault(target, {})
+    key = str(path.resolve())
+    if key not in per_target:
+        loaded = load_head(path, target)
+        if loaded.kind != kind:
+            raise SpeculumError(f"{path} holds a {loaded.kind} head, not a {kind} head")
+        weight = target.get_output_embeddings().weight
+        head = loaded.module.to(weight.dtype).to(weight.device).freeze()
+        per_target[key] = head, TargetTables.of(target, loaded.draft_vocab, weight.dtype)
+    head, tables = per_target[key]
+    return head, tables, path

@@ -148,21 +148,29 @@ class EagleHead(nn.Module):
         where ``visible [n, cache.used + n]`` is True. Returns predicted features ``[n, D]``, the
         same function as :meth:`forward`'s."""
         c, fast = self.config, self._fast
-        n, at = feats.shape[0], cache.used
         h = fast["fc"](torch.cat((embeds, feats), dim=-1))
         qkv = fast["qkv"](F.rms_norm(h, (c.hidden,), self.input_norm.weight, c.eps))
-        qkv = qkv.view(n, c.heads + 2 * c.kv_heads, c.head_dim).transpose(0, 1)  # [H + 2 H_kv, n, d]
-        cos, sin = self.rope(positions, h.dtype)
-        q, k, v = qkv.split((c.heads, c.kv_heads, c.kv_heads))
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        cache.k[:, at:at + n] = k
-        cache.v[:, at:at + n] = v
-        cache.used = at + n
-        keys, values = cache.k[:, :at + n], cache.v[:, :at + n]
-        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
-        h = h + fast["o"](attn.transpose(0, 1).reshape(n, c.heads * c.head_dim))
+        h = h + fast["o"](cached_attention(qkv, c, self.rope(positions, h.dtype), cache, visible))
         gate, up = fast["gate_up"](F.rms_norm(h, (c.hidden,), self.post_norm.weight, c.eps)).chunk(2, dim=-1)
         return h + fast["down"](F.silu(gate) * up)
+
+
+def cached_attention(qkv: torch.Tensor, c: EagleConfig, rope: tuple[torch.Tensor, torch.Tensor], cache: HeadCache,
+                     visible: torch.Tensor) -> torch.Tensor:
+    """A head's attention while drafting: ``qkv [n, (H + 2 H_kv) d]`` projected rows, roped with
+    ``rope`` (``cos, sin [n, d]``); their keys and values go to ``cache``'s slots ``cache.used ..
+    cache.used + n - 1`` and row ``i`` attends the slots where ``visible [n, cache.used + n]`` holds.
+    Returns ``[n, H d]``."""
+    n, at = qkv.shape[0], cache.used
+    qkv = qkv.view(n, c.heads + 2 * c.kv_heads, c.head_dim).transpose(0, 1)  # [H + 2 H_kv, n, d]
+    q, k, v = qkv.split((c.heads, c.kv_heads, c.kv_heads))
+    q, k = _rotate(q, *rope), _rotate(k, *rope)
+    cache.k[:, at:at + n] = k
+    cache.v[:, at:at + n] = v
+    cache.used = at + n
+    attn = F.scaled_dot_product_attention(q, cache.k[:, :at + n], cache.v[:, :at + n], attn_mask=visible,
+                                          enable_gqa=True)
+    return attn.transpose(0, 1).reshape(n, c.heads * c.head_dim)
 
 
 class HeadCache:

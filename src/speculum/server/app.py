@@ -83,11 +83,11 @@ class ServerState:
     def __init__(self, model, tokenizer, model_name: str, method: str = "auto", max_queue: int = 16,
                  max_tree: int = 64, limits: RequestLimits | None = None, share_drafter_state: bool = False,
                  max_tenants: int = 64, deterministic: bool | None = None, max_batch: int | None = None,
-                 prefix_cache_mb: int = 256, worker: bool = True, draft_head: str | None = None):
+                 prefix_cache_mb: int = 256, worker: bool = True, draft_head: tuple[str, ...] | None = None):
         if method not in SERVABLE_METHODS:
             raise SpeculumError(f"unknown method {method!r}; choose from {', '.join(SERVABLE_METHODS)}")
         self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
-        self.draft_head = draft_head  # the learned drafters' head file (None: the shipped one)
+        self.draft_head = draft_head  # the learned drafters' head files (None: the shipped ones)
         self.default_method, self.max_tree = method, max_tree
         self.limits = limits or RequestLimits()
         self.share_drafter_state, self.max_tenants = share_drafter_state, max_tenants

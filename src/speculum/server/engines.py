@@ -56,7 +56,7 @@ class EngineConfig:
     deterministic: bool | None = None
     max_batch: int | None = None
     prefix_cache_mb: int = 256
-    draft_head: str | None = None
+    draft_head: tuple[str, ...] | None = None  # head files (--draft-head), any kinds
 
 
 @dataclass

@@ -5,10 +5,9 @@ Three stages, each resumable (an interrupted run picks up where it stopped, from
 1. prompts (:mod:`speculum.train.prompts`): the project's own set, plus questions the model writes
    itself; recorded in ``prompts.jsonl``;
 2. data (:mod:`speculum.train.distill`): the model answers them, batched, keeping its features;
-3. training (:mod:`speculum.train.eagle`): the head, checkpointed; then ``<kind>.safetensors``,
-   ``report.json`` and ``loss.png``.
-
-Only ``eagle`` is built so far.
+3. training (one trainer per kind: :mod:`speculum.train.eagle`, :mod:`speculum.train.medusa` for
+   ``medusa`` and ``hydra``, :mod:`speculum.train.kangaroo`): the head, checkpointed; then ``<kind>.safetensors``, ``report.json``
+   and ``loss.png``.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from pathlib import Path
 
 from ..errors import SpeculumError
 
-TRAINABLE = ("eagle",)
+TRAINABLE = ("eagle", "medusa", "hydra", "kangaroo")
 
 
 @dataclass
@@ -40,6 +39,8 @@ class DraftTraining:
     vocab: int = 8192
     lr: float = 1e-3
     unroll: int = 2
+    heads: int = 4  # medusa / hydra: heads (draft depths)
+    exit_layer: int = 2  # kangaroo: the target layers its draft runs
     seed: int = 0
 
 
@@ -84,13 +85,17 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
 
     from ..models import load
     from .distill import load_samples, self_distill
-    from .eagle import EagleTrainer, TrainConfig, write_report
+    from .eagle import EagleTrainer
+    from .kangaroo import KangarooTrainer
+    from .medusa import HydraTrainer, MedusaTrainer
     from .prompts import training_prompts
+    from .trainer import TrainConfig, write_report
 
     if job.kind not in TRAINABLE:
         raise SpeculumError(f"train-draft --kind {job.kind}: only {', '.join(TRAINABLE)} can be trained so far")
-    if job.prompts < 8 or job.max_new_tokens < 8 or job.epochs < 1 or job.batch < 1:
-        raise SpeculumError("train-draft needs --prompts >= 8, --max-new-tokens >= 8, --epochs >= 1, --batch >= 1")
+    if job.prompts < 8 or job.max_new_tokens < 8 or job.epochs < 1 or job.batch < 1 or not 1 <= job.heads <= 8:
+        raise SpeculumError("train-draft needs --prompts >= 8, --max-new-tokens >= 8, --epochs >= 1, --batch >= 1 "
+                            "and --heads in 1..8")
     out = Path(job.out).expanduser()
     run_dir = out / job.kind
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -112,7 +117,13 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
     samples = load_samples(shards)
     torch.manual_seed(job.seed)
     cfg = TrainConfig(epochs=job.epochs, lr=job.lr, vocab=job.vocab, unroll=job.unroll, seed=job.seed)
-    trainer = EagleTrainer(model, samples, run_dir, cfg, progress)
+    if job.kind in ("medusa", "hydra"):
+        cfg.num_heads = cfg.eval_depths = job.heads
+    if job.kind == "kangaroo":
+        cfg.exit_layer, cfg.eval_depths = job.exit_layer, 1
+    trainer_cls = {"eagle": EagleTrainer, "medusa": MedusaTrainer, "hydra": HydraTrainer,
+                   "kangaroo": KangarooTrainer}[job.kind]
+    trainer = trainer_cls(model, samples, run_dir, cfg, progress)
     trainer.run()
     t_all = time.time() - t0
     from ..heads import target_key
@@ -121,6 +132,6 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
             "data_seconds": round(t_data), "total_seconds": round(t_all),
             "tokens": sum(len(s.ids) - s.prompt_len for s in samples), "samples": len(samples)}
     head = trainer.save(out / f"{job.kind}.safetensors", meta)
-    report, png = write_report(trainer.history, run_dir, {**meta, "coverage": trainer.coverage})
+    report, png = write_report(trainer.history, run_dir, {**meta, "coverage": trainer.coverage}, job.kind)
     return {**meta, "head": str(head), "report": str(report), "plot": str(png),
             "top1_by_depth": trainer.history.evals[-1]["top1"]}

@@ -1,0 +1,77 @@
+"""EAGLE-2's dynamic draft tree (Li et al. 2024), for every drafter that scores a node's children
+with a model: ``eagle``, ``hydra`` and ``kangaroo`` differ only in how they expand a node.
+
+Each node's score is its path's cumulative draft log-probability. Growth, depth by depth:
+
+- the root's ``top_k`` most likely tokens become the first depth;
+- each further depth expands the ``top_k`` best-scoring nodes of the last depth (one batched model
+  call for all of them, the drafter's), each giving its ``top_k`` most likely children; a node whose
+  path probability is below ``min_path_prob`` is not expanded, and growth stops where none is left;
+- the result reranks every node created and keeps the best ``max_nodes`` (a child never outscores
+  its parent, so they form a tree), with ``exp(score)`` as each node's acceptance estimate for the
+  engine's tree sizer.
+
+Example (``top_k=2``): root children "cat" (log .6) and "dog" (log .3); expanding both gives
+"cat sat" (.6 x .5), "cat is", "dog ran" (.3 x .9), "dog has"; with ``max_nodes=4`` the tree keeps
+cat, dog, cat-sat, dog-ran.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..tree import DraftTree
+
+
+class DynamicTree:
+    """One step's growing tree: ``tokens``, ``parents`` and ``scores`` ``[n]`` of the nodes made so far."""
+
+    def __init__(self, top_k: int, min_path_prob: float = 0.0):
+        self.top_k = top_k
+        self.min_log_prob = math.log(min_path_prob) if min_path_prob > 0 else -math.inf
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+
+    def add_children(self, nodes: list[int], logp: torch.Tensor, token_ids=None) -> list[int]:
+        """The ``top_k`` children of each of ``nodes`` (``-1``: the root) from their log-probabilities
+        ``logp [len(nodes), K]``; ``token_ids``: maps a column to a token id (a trimmed draft
+        vocabulary; default the identity). Returns the new nodes."""
+        top = logp.topk(min(self.top_k, logp.shape[-1]), dim=-1)
+        ids = top.indices if token_ids is None else token_ids(top.indices)
+        made = []
+        for node, row_ids, row_vals in zip(nodes, ids.tolist(), top.values.tolist()):
+            base = self.scores[node] if node >= 0 else 0.0
+            for tok, lp in zip(row_ids, row_vals):
+                made.append(len(self.tokens))
+                self.tokens.append(tok)
+                self.parents.append(node)
+                self.scores.append(base + lp)
+        return made
+
+    def frontier(self, level: list[int]) -> list[int]:
+        """The nodes of ``level`` to expand next: the ``top_k`` best above ``min_path_prob``."""
+        best = sorted(level, key=lambda i: -self.scores[i])[:self.top_k]
+        return [i for i in best if self.scores[i] >= self.min_log_prob]
+
+    def path(self, node: int) -> list[int]:
+        """The tokens from the first depth down to ``node``."""
+        out = []
+        while node >= 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
+
+    def result(self, max_nodes: int) -> DraftTree:
+        """The best ``max_nodes`` nodes as a :class:`DraftTree` with their acceptance estimates."""
+        best = sorted(range(len(self.tokens)), key=lambda i: (-self.scores[i], i))[:max(0, max_nodes)]
+        kept: set[int] = set()
+        keep: list[int] = []
+        for i in sorted(best):  # creation order is topological; a tie may have cut a parent
+            if self.parents[i] < 0 or self.parents[i] in kept:
+                keep.append(i)
+                kept.add(i)
+        tree = DraftTree(self.tokens, self.parents, scores=[math.exp(s) for s in self.scores])
+        return tree.subtree(keep)

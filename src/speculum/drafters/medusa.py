@@ -1,0 +1,103 @@
+"""``medusa``: Medusa-1 heads (Cai et al. 2024) on the frozen target's last feature.
+
+Head ``k`` (:mod:`speculum.heads.medusa`) reads the feature of the token before the root (the last
+one cached, whose LM-head output chose the root) and predicts the token at depth ``k`` below the
+root, whatever the tokens in between. A greedy step runs every head once and builds the tree
+best-first from the product of the heads' probabilities: a node at depth ``k`` is one of head
+``k``'s ``top_k`` tokens, its score the product of its path's probabilities, and nodes are taken in
+falling score order (a child never outscores its parent) up to ``max_nodes``; the engine's tree
+sizer trims by those scores. Sampled requests draft a chain, token ``k`` drawn from head ``k``'s
+distribution q (the request's temperature / top-k / top-p applied), q attached for the verifier.
+
+Example (``top_k=2``): head 1 "cat" .6, "dog" .3; head 2 "sat" .5, "ran" .2: nodes in order
+cat (.6), cat-sat (.3), dog (.3), dog-sat (.15), cat-ran (.12), ...
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from pathlib import Path
+
+import torch
+
+from ..heads import head_for_target
+from ..tree import DraftTree
+from .base import Drafter
+
+
+class HeadDrafter(Drafter):
+    """A drafter of learned heads that reads the target's final feature of the last cached token
+    (``medusa``, ``hydra``): loads the head and keeps that feature."""
+
+    kind = ""
+
+    def __init__(self, target: torch.nn.Module, draft_head: str | Path | None = None, top_k: int = 8,
+                 max_nodes: int = 48):
+        self.head, self.tables, self.path = head_for_target(target, self.kind, draft_head)
+        weight = target.get_output_embeddings().weight
+        self.vocab_size, self.device = weight.shape[0], weight.device
+        self.hidden_layers = (target.config.get_text_config().num_hidden_layers,)
+        self.depth = self.head.config.num_heads
+        self.top_k, self.max_nodes = top_k, max_nodes
+
+    def reset(self, prompt_ids, params, generator):
+        super().reset(prompt_ids, params, generator)
+        self.feat: torch.Tensor | None = None  # [D] the feature of the last cached token
+        self.seen = 0  # cached tokens whose features came
+
+    def see_hidden(self, hidden: dict[int, torch.Tensor]) -> None:
+        rows = hidden[self.hidden_layers[0]]
+        self.feat, self.seen = rows[-1], self.seen + rows.shape[0]
+
+    def ready(self, tokens: list[int], budget: int) -> bool:
+        """Whether this step can draft: a budget, and the feature of the token before the root."""
+        return budget > 0 and self.feat is not None and self.seen == len(tokens) - 1
+
+    def token_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary columns -> token ids."""
+        return draft_ids if self.tables.vocab is None else self.tables.vocab[draft_ids]
+
+    def q(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """The request's sampling distribution ``[V]`` of draft logits ``[K]`` (zero outside a
+        trimmed draft vocabulary)."""
+        full = draft_logits
+        if self.tables.vocab is not None:
+            full = draft_logits.new_full((self.vocab_size,), float("-inf")).index_copy_(0, self.tables.vocab, draft_logits)
+        return self.params.probs(full)
+
+
+class MedusaDrafter(HeadDrafter):
+    name = kind = "medusa"
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], budget: int) -> DraftTree:
+        if not self.ready(tokens, budget):
+            return DraftTree()
+        logits = self.tables.logits(self.head.draft(self.feat)).float()  # [K heads, K vocab]
+        depth = min(self.depth, budget)
+        if not self.params.greedy:
+            drafted, qs = [], []
+            for k in range(depth):
+                q = self.q(logits[k])
+                drafted.append(int(torch.multinomial(q, 1, generator=self.generator)))
+                qs.append(q)
+            return DraftTree.chain(drafted, torch.stack(qs))
+        top = torch.log_softmax(logits[:depth], -1).topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        ids, logp = self.token_ids(top.indices).tolist(), top.values.tolist()  # [depth, top_k] each
+        tokens_out, parents, scores = [], [], []
+        # best-first: (-score, depth, rank, parent node); a popped entry becomes a node and offers its
+        # next sibling (same parent, next rank) and its first child (next depth, rank 0)
+        heap = [(-logp[0][0], 0, 0, -1)]
+        while heap and len(tokens_out) < min(self.max_nodes, budget):
+            neg, d, r, parent = heapq.heappop(heap)
+            node = len(tokens_out)
+            tokens_out.append(ids[d][r])
+            parents.append(parent)
+            scores.append(-neg)
+            base = scores[parent] if parent >= 0 else 0.0
+            if r + 1 < len(ids[d]):
+                heapq.heappush(heap, (-(base + logp[d][r + 1]), d, r + 1, parent))
+            if d + 1 < depth:
+                heapq.heappush(heap, (-(-neg + logp[d + 1][0]), d + 1, 0, node))
+        return DraftTree(tokens_out, parents, scores=[math.exp(s) for s in scores])

@@ -1,0 +1,87 @@
+"""Hydra heads (Ankner et al. 2024, "Hydra: Sequentially-Dependent Draft Heads for Medusa Decoding"):
+Medusa's heads made to read the tokens drafted before them.
+
+Head ``k`` (``k = 1 .. K``) reads the target's feature ``f_t`` ``[D]`` and the embeddings of the
+tokens ``x_{t+1} .. x_{t+k}`` (the root, then the drafted path), and predicts ``x_{t+1+k}``: an input
+projection of the concatenation ``[f_t; e(x_{t+1}); ...; e(x_{t+k})]`` (``(k+1) D -> D``, starting as
+the identity on ``f_t``), ``layers`` residual SiLU blocks, then the target's frozen LM head. So a
+tree's sibling branches get different continuations, which Medusa's heads cannot give.
+
+Departures from the paper: the heads share the target's LM head (optionally trimmed) instead of
+owning copies, and Hydra++'s extra decoder layer over the target's features is left out.
+
+Shapes: ``D`` the target's hidden size, ``K`` the number of heads, ``m`` nodes expanded at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .medusa import ResBlock, fast_linear
+
+
+@dataclass(frozen=True)
+class HydraConfig:
+    """The heads' shape, saved beside their weights."""
+
+    hidden: int  # D
+    num_heads: int = 4  # K
+    layers: int = 1  # residual blocks per head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def for_target(cls, config, num_heads: int = 4) -> HydraConfig:
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return cls(hidden=cfg.hidden_size, num_heads=num_heads)
+
+
+class HydraHead(nn.Module):
+    """Head ``k``: ``[f; e_1 .. e_k]`` ``[..., (k+1) D]`` -> a feature ``[..., D]`` for the LM head."""
+
+    def __init__(self, dim: int, k: int, layers: int):
+        super().__init__()
+        self.proj = nn.Linear((k + 1) * dim, dim)
+        with torch.no_grad():
+            self.proj.weight.zero_()
+            self.proj.weight[:, :dim] = torch.eye(dim)
+            self.proj.bias.zero_()
+        self.blocks = nn.Sequential(*(ResBlock(dim) for _ in range(layers)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(self.proj(x))
+
+
+class HydraHeads(nn.Module):
+    def __init__(self, config: HydraConfig):
+        super().__init__()
+        self.config = config
+        self.heads = nn.ModuleList(HydraHead(config.hidden, k + 1, config.layers) for k in range(config.num_heads))
+
+    def forward(self, feats: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """Training: ``feats [..., D]`` and ``embeds [..., K, D]`` (of ``x_{t+1} .. x_{t+K}``) -> every
+        head's output ``[..., K, D]`` (head ``k`` at index ``k - 1``, reading ``embeds[..., :k]``)."""
+        outs = []
+        for k, head in enumerate(self.heads, start=1):
+            outs.append(head(torch.cat((feats, embeds[..., :k, :].flatten(-2)), dim=-1)))
+        return torch.stack(outs, dim=-2)
+
+    def freeze(self) -> HydraHeads:
+        """Ready for drafting (prepacked products where that applies)."""
+        self._fast = [(fast_linear(h.proj), [fast_linear(b.linear) for b in h.blocks]) for h in self.heads]
+        return self
+
+    def draft(self, k: int, feat: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """Drafting (after :meth:`freeze`): head ``k`` for ``m`` paths: ``feat [D]`` (shared),
+        ``embeds [m, k, D]`` -> ``[m, D]``."""
+        proj, blocks = self._fast[k - 1]
+        m = embeds.shape[0]
+        x = proj(torch.cat((feat.expand(m, -1), embeds.flatten(1)), dim=-1))
+        for lin in blocks:
+            x = x + F.silu(lin(x))
+        return x

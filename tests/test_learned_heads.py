@@ -1,0 +1,159 @@
+"""The ``medusa``, ``hydra`` and ``kangaroo`` drafters: lossless greedy output for chains and trees
+(random heads, trimmed vocabulary or not, tiny Llama and Gemma-3 past its window, alone and
+batched), sampled output with the target's distribution, and training on a tiny model raising
+acceptance above the untrained heads'. (``eagle`` has its own file.)"""
+
+import random
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, random_head, tiny_gemma3, tiny_llama
+from test_sampling import VOCAB, chi2_pvalue, exact_joint, sample_pairs
+
+from speculum.drafters import DRAFTERS
+from speculum.engine import Engine, step
+from speculum.errors import SpeculumError
+from speculum.heads import load_head
+from speculum.methods import build_method
+from speculum.runners import NativeRunner
+from speculum.train.distill import Sample, generate_batched
+from speculum.train.kangaroo import KangarooTrainer
+from speculum.train.medusa import HydraTrainer, MedusaTrainer, Positions
+from speculum.train.trainer import TrainConfig
+from speculum.tree_sizing import CostModel
+
+KINDS = ("medusa", "hydra", "kangaroo")
+
+
+def prompts(seed: int, n: int = 4) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("shape", [{"top_k": 1, "max_nodes": 4}, {"top_k": 4, "max_nodes": 24},
+                                   {"top_k": 8, "max_nodes": 48, "sized": True}],
+                         ids=["chain", "tree", "sized_tree"])
+@pytest.mark.parametrize("trimmed", [False, True], ids=["full_vocab", "trimmed_vocab"])
+def test_greedy_heads_equal_ar(kind, make, shape, trimmed, tmp_path):
+    model = make()
+    path = random_head(model, tmp_path / "h.safetensors", trimmed, kind=kind)
+    ar = build_method("ar", model, None)
+    shape = dict(shape)
+    sized = shape.pop("sized", False)
+    cost = CostModel([1, 16, 64], [64], [[0.01, 0.012, 0.03]]) if sized else None
+    method = build_method(kind, model, None, draft_head=str(path), sized=sized, cost_model=cost, **shape)
+    drafted = accepted = 0
+    for p in prompts(1):
+        want = ar.run(p, 48).tokens
+        got = method.run(p, 48)
+        assert got.tokens == want
+        drafted += sum(s.drafted for s in got.steps)
+        accepted += sum(s.accepted for s in got.steps)
+    assert drafted > 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_heads_equal_solo(kind, tmp_path):
+    """Several requests in one forward per step, joining mid-way, give their solo outputs."""
+    model = tiny_llama()
+    path = random_head(model, tmp_path / "h.safetensors", kind=kind)
+    runner = NativeRunner(model)
+    drafter = DRAFTERS[kind].factory(target=model, draft_head=path, top_k=3, max_nodes=8)
+    engine = Engine(runner, drafter, eos_token_ids=[])
+    ar = build_method("ar", model, None, runner=runner)
+    ps = prompts(2, n=5)
+    solo = [ar.run(p, 40).tokens for p in ps]
+    pool = runner.new_pool(len(ps), 128)
+    decodings = [engine.start(p, 40, cache=pool.acquire(), drafter=drafter.fork(), prefill=i % 2 == 0)
+                 for i, p in enumerate(ps)]
+    while any(d.reason is None for d in decodings):
+        live = [d for d in decodings if d.reason is None and d.prefilled]
+        chunks = [(d, d.next_chunk(7)) for d in decodings if not d.prefilled]
+        step(live, prefills=chunks)
+    assert [d.generated for d in decodings] == solo
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampled_heads_keep_the_target_distribution(kind, tmp_path):
+    model = tiny_llama(seed=3, vocab=VOCAB, logit_scale=8.0)
+    path = random_head(model, tmp_path / "h.safetensors", seed=2, scale=4.0, kind=kind)
+    drafter = DRAFTERS[kind].factory(target=model, draft_head=path)
+    engine = Engine(NativeRunner(model), drafter, eos_token_ids=[])
+    n = 6000
+    p = chi2_pvalue(sample_pairs(engine, n, seed0=100), exact_joint(model), n)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+def test_a_head_of_another_kind_is_refused(tmp_path):
+    model = tiny_llama()
+    eagle = random_head(model, tmp_path / "e.safetensors")
+    medusa = random_head(model, tmp_path / "m.safetensors", kind="medusa")
+    with pytest.raises(SpeculumError, match="no medusa head"):
+        build_method("medusa", model, None, draft_head=str(eagle))
+    # several files: each method takes its own kind
+    both = (str(eagle), str(medusa))
+    assert build_method("medusa", model, None, draft_head=both).engine.drafter.path == medusa
+    assert build_method("eagle", model, None, draft_head=both).engine.drafter.path == eagle
+
+
+def test_positions_label_the_tokens_after_each_feature():
+    """Head ``k`` of the feature at ``t`` is trained on ``x_{t+1+k}``, response tokens only."""
+    ids = list(range(10, 20))  # T = 10 tokens, the prompt is the first 4
+    s = Sample(ids, 4, "tiny", torch.arange(9.0)[:, None].expand(9, 2).clone())
+    pos = Positions([s], TrainConfig(num_heads=2), random.Random(0))
+    # the first position kept is t = 2 (its head-1 label x_4 is the first response token)
+    assert pos.feats[:, 0].tolist() == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    assert pos.ids[0].tolist() == [13, 14, 15]  # x_3 (the LM head's), then heads 1 and 2's labels
+    assert pos.mask[0].tolist() == [True, True]
+    assert pos.ids[-1].tolist() == [19, -1, -1] and pos.mask[-1].tolist() == [False, False]  # past the end
+
+
+@pytest.fixture(scope="module")
+def tiny_data():
+    """A tiny model's own greedy answers to random prompts, with its features."""
+    model = tiny_llama(seed=5)
+    runner = NativeRunner(model)
+    rng = random.Random(0)
+    train_prompts = [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(4, 16))] for _ in range(96)]
+    samples = []
+
+    def done(i, response, hidden):
+        samples.append(Sample(train_prompts[i] + response, len(train_prompts[i]), "tiny", hidden[runner.num_layers],
+                              layers={1: hidden[1]}))
+
+    generate_batched(runner, None, train_prompts, 48, (1, runner.num_layers), batch=16, on_done=done)
+    return model, samples
+
+
+@pytest.mark.parametrize("trainer_cls", [MedusaTrainer, HydraTrainer, KangarooTrainer], ids=KINDS)
+def test_training_raises_acceptance(trainer_cls, tiny_data, tmp_path):
+    """A few seconds of training on the tiny model's own outputs beat the untrained heads."""
+    model, samples = tiny_data
+    cfg = TrainConfig(epochs=8, lr=3e-3, batch_pairs=512, vocab=0, checkpoint_every=10_000, eval_depths=3,
+                      num_heads=3, exit_layer=1)
+    if trainer_cls is KangarooTrainer:
+        cfg.eval_depths = 1
+    trainer = trainer_cls(model, samples, tmp_path / "run", cfg, progress=False)
+    untrained = trainer.save(tmp_path / "untrained.safetensors", {})
+    trainer.run()
+    trained = trainer.save(tmp_path / "trained.safetensors", {})
+    evals = trainer.history.evals
+    assert evals[-1]["top1"][0] > evals[0]["top1"][0] - 1e-9
+
+    def accepted(path):
+        method = build_method(trainer.kind, model, None, draft_head=str(path), top_k=4, max_nodes=16, sized=False)
+        ar = build_method("ar", model, None)
+        total = steps = 0
+        for p in prompts(9, n=6):
+            r = method.run(p, 40)
+            assert r.tokens == ar.run(p, 40).tokens
+            total += r.new_tokens
+            steps += len(r.steps)
+        return total / steps
+
+    before, after = accepted(untrained), accepted(trained)
+    assert after > before + 0.3, (before, after)
+    meta = load_head(trained).meta
+    assert meta["vocab"] == TINY_VOCAB and meta["trained_parameters"] > 0
