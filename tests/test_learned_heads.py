@@ -1,8 +1,9 @@
-"""The ``medusa``, ``hydra`` and ``kangaroo`` drafters: lossless greedy output for chains and trees
+"""The ``medusa``, ``hydra``, ``kangaroo`` and ``ppd`` drafters: lossless greedy output for chains and trees
 (random heads, trimmed vocabulary or not, tiny Llama and Gemma-3 past its window, alone and
 batched), sampled output with the target's distribution, and training on a tiny model raising
 acceptance above the untrained heads'. (``eagle`` has its own file.)"""
 
+import functools
 import random
 
 import pytest
@@ -19,10 +20,11 @@ from speculum.runners import NativeRunner
 from speculum.train.distill import Sample, generate_batched
 from speculum.train.kangaroo import KangarooTrainer
 from speculum.train.medusa import HydraTrainer, MedusaTrainer, Positions
+from speculum.train.ppd import PPDTrainer
 from speculum.train.trainer import TrainConfig
 from speculum.tree_sizing import CostModel
 
-KINDS = ("medusa", "hydra", "kangaroo")
+KINDS = ("medusa", "hydra", "kangaroo", "ppd")
 
 
 def prompts(seed: int, n: int = 4) -> list[list[int]]:
@@ -110,10 +112,10 @@ def test_positions_label_the_tokens_after_each_feature():
     assert pos.ids[-1].tolist() == [19, -1, -1] and pos.mask[-1].tolist() == [False, False]  # past the end
 
 
-@pytest.fixture(scope="module")
-def tiny_data():
+@functools.cache
+def tiny_data(logit_scale: float = 1.0):
     """A tiny model's own greedy answers to random prompts, with its features."""
-    model = tiny_llama(seed=5)
+    model = tiny_llama(seed=5, logit_scale=logit_scale)
     runner = NativeRunner(model)
     rng = random.Random(0)
     train_prompts = [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(4, 16))] for _ in range(96)]
@@ -127,20 +129,25 @@ def tiny_data():
     return model, samples
 
 
-@pytest.mark.parametrize("trainer_cls", [MedusaTrainer, HydraTrainer, KangarooTrainer], ids=KINDS)
-def test_training_raises_acceptance(trainer_cls, tiny_data, tmp_path):
-    """A few seconds of training on the tiny model's own outputs beat the untrained heads."""
-    model, samples = tiny_data
+@pytest.mark.parametrize("trainer_cls", [MedusaTrainer, HydraTrainer, KangarooTrainer, PPDTrainer], ids=KINDS)
+def test_training_raises_acceptance(trainer_cls, tmp_path):
+    """A few seconds of training on the tiny model's own outputs beat the untrained heads. PPD's
+    prompt tokens steer the frozen target itself, which a random 2-layer model with flat logits
+    barely allows: it gets a model with sharper logits and a smaller margin."""
+    ppd = trainer_cls is PPDTrainer
+    model, samples = tiny_data(8.0 if ppd else 1.0)
     cfg = TrainConfig(epochs=8, lr=3e-3, batch_pairs=512, vocab=0, checkpoint_every=10_000, eval_depths=3,
                       num_heads=3, exit_layer=1)
     if trainer_cls is KangarooTrainer:
         cfg.eval_depths = 1
+    if ppd:
+        cfg.lr, cfg.epochs = 3e-2, 4
     trainer = trainer_cls(model, samples, tmp_path / "run", cfg, progress=False)
     untrained = trainer.save(tmp_path / "untrained.safetensors", {})
+    top1_before = trainer.evaluate()[0]
     trainer.run()
     trained = trainer.save(tmp_path / "trained.safetensors", {})
-    evals = trainer.history.evals
-    assert evals[-1]["top1"][0] > evals[0]["top1"][0] - 1e-9
+    assert trainer.history.evals[-1]["top1"][0] > top1_before
 
     def accepted(path):
         method = build_method(trainer.kind, model, None, draft_head=str(path), top_k=4, max_nodes=16, sized=False)
@@ -154,6 +161,29 @@ def test_training_raises_acceptance(trainer_cls, tiny_data, tmp_path):
         return total / steps
 
     before, after = accepted(untrained), accepted(trained)
-    assert after > before + 0.3, (before, after)
+    assert after > before + (0.05 if ppd else 0.3), (before, after)
     meta = load_head(trained).meta
     assert meta["vocab"] == TINY_VOCAB and meta["trained_parameters"] > 0
+
+
+def test_ppd_drafting_reads_what_training_computed(tmp_path):
+    """The prompt rows of a verification forward (native runner) give the logits the training forward
+    (transformers' modules, many cuts in one pass, ensemble masks) computes for the same prefix."""
+    from speculum.tree import DraftTree, PromptRows
+
+    model = tiny_gemma3()
+    rng = random.Random(0)
+    ids = [rng.randrange(TINY_VOCAB) for _ in range(40)]
+    sample = Sample(ids, 10, "tiny", torch.zeros(39, 64))
+    cfg = TrainConfig(vocab=0, num_heads=3, eval_depths=3, ensemble=2)
+    trainer = PPDTrainer(model, [sample, sample], tmp_path, cfg, progress=False)
+    head = trainer.head
+    runner = NativeRunner(model)
+    for cut in (12, 31):
+        with torch.no_grad():
+            want = trainer._forward(ids, [7, cut])[1]  # [N * E, V]: the second cut's rows
+        cache = runner.new_cache(128)
+        runner.prefill(cache, ids[:cut - 1])
+        rows = PromptRows([-1] * 6, head.offsets(), head.embeddings.detach(), head.chain_mask())
+        got = runner.forward(cache, ids[cut - 1], DraftTree(prompts=rows)).prompt_logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

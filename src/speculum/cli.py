@@ -53,7 +53,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
 
 
-HEAD_HELP = ("trained head files for the learned drafters (eagle, medusa, hydra, kangaroo), from `speculum train-draft`, "
+HEAD_HELP = ("trained head files for the learned drafters (eagle, medusa, hydra, kangaroo, ppd), from `speculum train-draft`, "
              "comma-separated, each used for its kind (default: the heads speculum ships for --model, if any)")
 
 
@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "them. Every stage resumes from --out when interrupted. Writes OUT/<kind>.safetensors "
                     "(load it with --draft-head), report.json and loss.png (losses, held-out top-1 accuracy "
                     "by draft depth).")
-    t.add_argument("--kind", default="eagle", choices=["eagle", "medusa", "hydra", "kangaroo"],
+    t.add_argument("--kind", default="eagle", choices=["eagle", "medusa", "hydra", "kangaroo", "ppd"],
                    help="the head to train (default: %(default)s); kinds trained into one --out share its data")
     t.add_argument("--model", default="default", help="as for generate (default: %(default)s)")
     t.add_argument("--out", required=True, help="directory for data, checkpoints, the head and its report")
@@ -235,14 +235,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-new-tokens", type=int, default=256, help="response length cap (default: %(default)s)")
     t.add_argument("--batch", type=int, default=16, help="requests answered at once (default: %(default)s)")
     t.add_argument("--dtype", default="auto", help="the model's dtype while it answers: " + DTYPE_HELP)
-    t.add_argument("--epochs", type=int, default=10, help="passes over the data (default: %(default)s)")
-    t.add_argument("--vocab", type=int, default=8192,
+    t.add_argument("--epochs", type=int, default=None, help="passes over the data (default: 10; ppd 1)")
+    t.add_argument("--vocab", type=int, default=None,
                    help="draft vocabulary: the N most frequent response tokens (FR-Spec); 0 = the whole "
-                        "vocabulary (default: %(default)s)")
-    t.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default: %(default)s)")
+                        "vocabulary (default: 8192; ppd drafts through the target's own LM head: 0)")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 1e-3; ppd 1e-2)")
     t.add_argument("--unroll", type=int, default=2,
                    help="training passes on the head's own predicted features (default: %(default)s)")
-    t.add_argument("--heads", type=int, default=4, help="medusa / hydra: heads, i.e. draft depth (default: %(default)s)")
+    t.add_argument("--heads", type=int, default=None,
+                   help="medusa / hydra: heads, ppd: prompt tokens, i.e. the draft depth (default: 4; ppd 3)")
+    t.add_argument("--ensemble", type=int, default=None,
+                   help="ppd: embeddings per prompt position, their logits averaged (EPT; default: 1)")
     t.add_argument("--exit-layer", type=int, default=2,
                    help="kangaroo: the target layers its draft runs before the adapter (default: %(default)s)")
     t.add_argument("--seed", type=int, default=0, help="prompt set, sampling and initialisation seed")
@@ -657,10 +660,11 @@ def cmd_serve(args) -> int:
 def cmd_train_draft(args) -> int:
     from .train import DraftTraining, train_draft
 
-    job = DraftTraining(model=args.model, kind=args.kind, out=args.out, prompts=args.prompts,
-                        self_prompts=min(args.self_prompts, args.prompts // 2), max_new_tokens=args.max_new_tokens,
-                        batch=args.batch, dtype=args.dtype, epochs=args.epochs, vocab=args.vocab, lr=args.lr,
-                        unroll=args.unroll, heads=args.heads, exit_layer=args.exit_layer, seed=args.seed)
+    job = DraftTraining.for_kind(args.kind, model=args.model, out=args.out, prompts=args.prompts,
+                                 self_prompts=min(args.self_prompts, args.prompts // 2),
+                                 max_new_tokens=args.max_new_tokens, batch=args.batch, dtype=args.dtype,
+                                 epochs=args.epochs, vocab=args.vocab, lr=args.lr, unroll=args.unroll,
+                                 heads=args.heads, exit_layer=args.exit_layer, ensemble=args.ensemble, seed=args.seed)
     summary = train_draft(job, progress=not args.no_progress)
     depths = ", ".join(f"{a:.3f}" for a in summary["top1_by_depth"])
     print(f"wrote {summary['head']} ({summary['samples']} samples, {summary['tokens']} response tokens, "

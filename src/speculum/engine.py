@@ -250,9 +250,10 @@ class Decoding:
         return self.guide.bind(tree)
 
     def advance(self, tree: DraftTree, raw_logits: torch.Tensor, draft_s: float, verify_s: float,
-                hidden: dict[int, torch.Tensor] | None = None) -> list[int]:
+                hidden: dict[int, torch.Tensor] | None = None, prompt_logits: torch.Tensor | None = None) -> list[int]:
         """Verify ``tree`` against its logits ``[len(tree) + 1, V]``, commit, update; the new tokens.
-        ``hidden``: the forward's hidden states ``{layer: [len(tree) + 1, D]}`` for the drafter."""
+        ``hidden``: the forward's hidden states ``{layer: [len(tree) + 1, D]}`` for the drafter;
+        ``prompt_logits``: its prompt rows' ``[e, V]`` (where they ran)."""
         t = time.perf_counter()
         guide, stops = self.guide, self.stops
         logits = guide.mask(raw_logits)
@@ -267,6 +268,8 @@ class Decoding:
             if self.drafter.hidden_layers:
                 rows = torch.tensor([0] + [i + 1 for i in acc.path], device=raw_logits.device)
                 self.drafter.see_hidden({i: h.index_select(0, rows) for i, h in hidden.items()})
+            if tree.prompts is not None:
+                self.drafter.see_prompt_logits(tree, acc, prompt_logits)
             self.drafter.update(self.tokens, tree, acc, logits)
         self.steps.append(StepStats(len(tree), len(acc.path), len(new), draft_s, verify_s,
                                     time.perf_counter() - t_c, guide.forced, guide.mask_s))
@@ -316,7 +319,8 @@ def step(decodings: Sequence[Decoding], sizer: TreeSizer | None = None,
     t_c = time.perf_counter()
     for (d, ids), o in zip(prefills, outs[len(decodings):]):
         d.chunk_done(len(ids), t_c - t_b, o.hidden)
-    return [d.advance(t, o.logits, t_b - t_a, t_c - t_b, o.hidden) for d, t, o in zip(decodings, trees, outs)]
+    return [d.advance(t, o.logits, t_b - t_a, t_c - t_b, o.hidden, o.prompt_logits)
+            for d, t, o in zip(decodings, trees, outs)]
 
 
 def check_prompt_fits(prompt_tokens: int, max_positions: int) -> None:

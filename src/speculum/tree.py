@@ -12,10 +12,39 @@ depth=[1, 2, 1]. The verification forward feeds ``[root] + tokens`` at positions
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
+
+
+@dataclass
+class PromptRows:
+    """Rows a drafter hangs into the verification forward that are not drafted tokens: trained
+    input embeddings after tree nodes (PPD's prompt tokens), whose outputs the drafter reads after
+    the step (:meth:`~speculum.drafters.base.Drafter.see_prompt_logits`). Never verified, never kept
+    in the KV cache.
+
+    Row ``r`` follows node ``anchors[r]`` (``-1``: the root) at position ``offsets[r]`` past it, sees
+    that node's ancestors and the node itself, and the rows ``among[r]`` allows (itself included);
+    tree rows never see prompt rows.
+    """
+
+    anchors: list[int]  # [e]
+    offsets: list[int]  # [e] >= 1
+    embeds: torch.Tensor  # [e, D] input embeddings (what the first layer reads)
+    among: np.ndarray  # [e, e] bool
+
+    def __len__(self) -> int:
+        return len(self.anchors)
+
+    def kept(self, new_index: dict[int, int]) -> PromptRows | None:
+        """The rows whose anchors survive a renumbering of the nodes (``old -> new``; the root stays)."""
+        rows = [r for r, a in enumerate(self.anchors) if a < 0 or a in new_index]
+        if not rows:
+            return None
+        anchors = [a if a < 0 else new_index[a] for a in (self.anchors[r] for r in rows)]
+        return PromptRows(anchors, [self.offsets[r] for r in rows], self.embeds[rows], self.among[np.ix_(rows, rows)])
 
 
 @dataclass
@@ -34,6 +63,8 @@ class DraftTree:
         tags: ``[n]`` or ``None``: opaque per-node data for the drafter (e.g. the features it
             learns hit rates by); kept through :meth:`subtree` so the drafter can read it in
             ``update`` after the engine trimmed the tree.
+        prompts: :class:`PromptRows` to run beside the tree in the same forward, or ``None``; kept
+            through :meth:`subtree` for the nodes kept.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -41,6 +72,7 @@ class DraftTree:
     draft_probs: torch.Tensor | None = None
     scores: list[float] | None = None
     tags: list | None = None
+    prompts: PromptRows | None = None
 
     def __post_init__(self):
         if len(self.tokens) != len(self.parents):
@@ -109,7 +141,35 @@ class DraftTree:
         probs = None if self.draft_probs is None else self.draft_probs[keep]
         scores = None if self.scores is None else [self.scores[i] for i in keep]
         tags = None if self.tags is None else [self.tags[i] for i in keep]
-        return DraftTree([self.tokens[i] for i in keep], parents, probs, scores, tags)
+        prompts = None if self.prompts is None else self.prompts.kept(new_index)
+        return DraftTree([self.tokens[i] for i in keep], parents, probs, scores, tags, prompts)
+
+    def with_probs(self, draft_probs: torch.Tensor | None) -> DraftTree:
+        """This tree with other draft probabilities (everything else shared)."""
+        return replace(self, draft_probs=draft_probs)
+
+    def forward_mask(self) -> np.ndarray:
+        """``[n + 1 + e, n + 1 + e]`` bool visibility of the verification forward's rows: the
+        :meth:`ancestor_mask` of ``[root] + tokens``, then the prompt rows (each sees its anchor's
+        row of the ancestor mask, its anchor, and the prompt rows ``among`` allows)."""
+        tree = self.ancestor_mask_np()
+        if self.prompts is None:
+            return tree
+        n1, e = tree.shape[0], len(self.prompts)
+        mask = np.zeros((n1 + e, n1 + e), dtype=bool)
+        mask[:n1, :n1] = tree
+        rows = [a + 1 for a in self.prompts.anchors]
+        mask[n1:, :n1] = tree[rows]
+        mask[n1:, n1:] = self.prompts.among
+        return mask
+
+    def forward_positions(self) -> list[int]:
+        """Position offsets (from the root's) of the forward's rows: ``[0] + depths``, then each
+        prompt row's anchor depth plus its offset."""
+        depths = [0] + self.depths()
+        if self.prompts is None:
+            return depths
+        return depths + [depths[a + 1] + o for a, o in zip(self.prompts.anchors, self.prompts.offsets)]
 
     def best_chain(self) -> DraftTree:
         """The tree cut to one root path: the path with the largest sum of ``scores`` (the expected

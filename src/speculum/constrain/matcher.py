@@ -409,7 +409,7 @@ def restrict_draft_probs(tree: DraftTree, allowed: torch.Tensor) -> DraftTree:
     parent_rows = torch.tensor([p + 1 for p in tree.parents])
     q = tree.draft_probs * allowed[parent_rows].to(tree.draft_probs.device, tree.draft_probs.dtype)
     q = q / q.sum(-1, keepdim=True).clamp_min(1e-30)
-    return DraftTree(tree.tokens, tree.parents, q, tree.scores, tree.tags)
+    return tree.with_probs(q)
 
 
 def graft_forced(forced: list[int], tree: DraftTree, budget: int) -> DraftTree:

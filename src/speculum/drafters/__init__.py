@@ -22,6 +22,7 @@ from .kangaroo import KangarooDrafter
 from .medusa import MedusaDrafter
 from .mix import MixDrafter
 from .ngram import NgramDrafter
+from .ppd import PPDDrafter
 from .recycling import RecyclingDrafter
 from .suffix import SuffixDrafter
 from .suffix_merged import SuffixMergedDrafter
@@ -85,7 +86,25 @@ DRAFTERS: dict[str, DrafterEntry] = {
                           "dynamic tree", scored=True, needs_target=True),
     "kangaroo": DrafterEntry(KangarooDrafter, "the target's first layers and a trained adapter draft chains with "
                              "early exit (Kangaroo)", scored=True, needs_target=True),
+    "ppd": DrafterEntry(PPDDrafter, "trained prompt tokens in the verification forward predict the next step's "
+                        "tree (PPD)", scored=True, needs_target=True),
 }
 
-__all__ = ["DRAFTERS", "AutoDrafter", "AutoregressiveDrafter", "DraftModelDrafter", "Drafter", "DrafterEntry", "EagleDrafter",
-           "HydraDrafter", "KangarooDrafter", "MedusaDrafter", "MixDrafter", "NgramDrafter", "RecyclingDrafter", "SuffixDrafter", "SuffixMergedDrafter"]
+__all__ = [
+    "DRAFTERS",
+    "AutoDrafter",
+    "AutoregressiveDrafter",
+    "DraftModelDrafter",
+    "Drafter",
+    "DrafterEntry",
+    "EagleDrafter",
+    "HydraDrafter",
+    "KangarooDrafter",
+    "MedusaDrafter",
+    "MixDrafter",
+    "NgramDrafter",
+    "PPDDrafter",
+    "RecyclingDrafter",
+    "SuffixDrafter",
+    "SuffixMergedDrafter",
+]

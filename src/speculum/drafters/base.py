@@ -40,6 +40,12 @@ class Drafter(ABC):
         ``m`` tokens just cached, in order: the prompt's (all but its last token) after prefill, then
         after each step the root's and the accepted tokens'. Called only for a drafter that asks."""
 
+    def see_prompt_logits(self, tree: DraftTree, acceptance: Acceptance, logits: torch.Tensor | None) -> None:
+        """The outputs ``[e, V]`` of the prompt rows this step's ``tree`` carried
+        (:class:`~speculum.tree.PromptRows`, anchors numbered as in ``tree``), or None where the
+        runner left them out (batched steps, the reproducible mode, a KV policy). Called before
+        :meth:`update`, only for a tree with prompt rows."""
+
     def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits: torch.Tensor) -> None:
         """Called after each step; ``tokens`` already includes the newly committed tokens.
 

@@ -1,5 +1,7 @@
-"""EAGLE-2's dynamic draft tree (Li et al. 2024), for every drafter that scores a node's children
-with a model: ``eagle``, ``hydra`` and ``kangaroo`` differ only in how they expand a node.
+"""Draft trees grown from model scores: EAGLE-2's dynamic tree (Li et al. 2024), for every drafter
+that scores a node's children with a model (``eagle``, ``hydra`` and ``kangaroo`` differ only in
+how they expand a node), and Medusa's product tree (:func:`product_tree`, for ``medusa`` and
+``ppd``, whose candidates at a depth do not depend on the parent).
 
 Each node's score is its path's cumulative draft log-probability. Growth, depth by depth:
 
@@ -18,6 +20,7 @@ cat, dog, cat-sat, dog-ran.
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import torch
@@ -75,3 +78,31 @@ class DynamicTree:
                 kept.add(i)
         tree = DraftTree(self.tokens, self.parents, scores=[math.exp(s) for s in self.scores])
         return tree.subtree(keep)
+
+
+def product_tree(ids: list[list[int]], logp: list[list[float]], max_nodes: int) -> DraftTree:
+    """Medusa's tree: depth ``d`` holds candidates ``ids[d - 1]`` (ranked, log-probabilities
+    ``logp[d - 1]``) under every parent; nodes taken best-first by the sum of their path's
+    log-probabilities up to ``max_nodes``, scored ``exp`` of it (a child never outscores its parent).
+
+    Example (two depths): ``ids=[[cat, dog], [sat, ran]]`` with probabilities ``[[.6, .3], [.5, .2]]``
+    -> cat (.6), cat-sat (.3), dog (.3), dog-sat (.15), cat-ran (.12), ...
+    """
+    tokens, parents, scores = [], [], []
+    if not ids or not ids[0]:
+        return DraftTree()
+    # (-score, depth, rank, parent): a popped entry becomes a node and offers its next sibling (same
+    # parent, next rank) and its first child (next depth, rank 0)
+    heap = [(-logp[0][0], 0, 0, -1)]
+    while heap and len(tokens) < max_nodes:
+        neg, d, r, parent = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(ids[d][r])
+        parents.append(parent)
+        scores.append(-neg)
+        base = scores[parent] if parent >= 0 else 0.0
+        if r + 1 < len(ids[d]):
+            heapq.heappush(heap, (-(base + logp[d][r + 1]), d, r + 1, parent))
+        if d + 1 < len(ids):
+            heapq.heappush(heap, (-(-neg + logp[d + 1][0]), d + 1, 0, node))
+    return DraftTree(tokens, parents, scores=[math.exp(s) for s in scores])

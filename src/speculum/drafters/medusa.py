@@ -3,20 +3,15 @@
 Head ``k`` (:mod:`speculum.heads.medusa`) reads the feature of the token before the root (the last
 one cached, whose LM-head output chose the root) and predicts the token at depth ``k`` below the
 root, whatever the tokens in between. A greedy step runs every head once and builds the tree
-best-first from the product of the heads' probabilities: a node at depth ``k`` is one of head
-``k``'s ``top_k`` tokens, its score the product of its path's probabilities, and nodes are taken in
-falling score order (a child never outscores its parent) up to ``max_nodes``; the engine's tree
+best-first from the product of the heads' probabilities
+(:func:`~speculum.drafters.dynamic_tree.product_tree`): a node at depth ``k`` is one of head
+``k``'s ``top_k`` tokens, its score the product of its path's probabilities; the engine's tree
 sizer trims by those scores. Sampled requests draft a chain, token ``k`` drawn from head ``k``'s
 distribution q (the request's temperature / top-k / top-p applied), q attached for the verifier.
-
-Example (``top_k=2``): head 1 "cat" .6, "dog" .3; head 2 "sat" .5, "ran" .2: nodes in order
-cat (.6), cat-sat (.3), dog (.3), dog-sat (.15), cat-ran (.12), ...
 """
 
 from __future__ import annotations
 
-import heapq
-import math
 from pathlib import Path
 
 import torch
@@ -24,6 +19,7 @@ import torch
 from ..heads import head_for_target
 from ..tree import DraftTree
 from .base import Drafter
+from .dynamic_tree import product_tree
 
 
 class HeadDrafter(Drafter):
@@ -84,20 +80,4 @@ class MedusaDrafter(HeadDrafter):
                 qs.append(q)
             return DraftTree.chain(drafted, torch.stack(qs))
         top = torch.log_softmax(logits[:depth], -1).topk(min(self.top_k, logits.shape[-1]), dim=-1)
-        ids, logp = self.token_ids(top.indices).tolist(), top.values.tolist()  # [depth, top_k] each
-        tokens_out, parents, scores = [], [], []
-        # best-first: (-score, depth, rank, parent node); a popped entry becomes a node and offers its
-        # next sibling (same parent, next rank) and its first child (next depth, rank 0)
-        heap = [(-logp[0][0], 0, 0, -1)]
-        while heap and len(tokens_out) < min(self.max_nodes, budget):
-            neg, d, r, parent = heapq.heappop(heap)
-            node = len(tokens_out)
-            tokens_out.append(ids[d][r])
-            parents.append(parent)
-            scores.append(-neg)
-            base = scores[parent] if parent >= 0 else 0.0
-            if r + 1 < len(ids[d]):
-                heapq.heappush(heap, (-(base + logp[d][r + 1]), d, r + 1, parent))
-            if d + 1 < depth:
-                heapq.heappush(heap, (-(-neg + logp[d + 1][0]), d + 1, 0, node))
-        return DraftTree(tokens_out, parents, scores=[math.exp(s) for s in scores])
+        return product_tree(self.token_ids(top.indices).tolist(), top.values.tolist(), min(self.max_nodes, budget))

@@ -22,6 +22,7 @@ from .eagle import EagleConfig, EagleHead, HeadCache
 from .hydra import HydraConfig, HydraHeads
 from .kangaroo import KangarooAdapter, KangarooConfig
 from .medusa import MedusaConfig, MedusaHeads
+from .ppd import PPDConfig, PPDPrompts
 
 SHIPPED = Path(__file__).parent / "weights"
 # kind -> (config class, module class): a module takes its config and has ``freeze()`` for drafting
@@ -30,6 +31,7 @@ HEAD_KINDS: dict[str, tuple[type, type[torch.nn.Module]]] = {
     "medusa": (MedusaConfig, MedusaHeads),
     "hydra": (HydraConfig, HydraHeads),
     "kangaroo": (KangarooConfig, KangarooAdapter),
+    "ppd": (PPDConfig, PPDPrompts),
 }
 KINDS = tuple(HEAD_KINDS)
 
@@ -47,6 +49,8 @@ __all__ = [
     "LoadedHead",
     "MedusaConfig",
     "MedusaHeads",
+    "PPDConfig",
+    "PPDPrompts",
     "TargetTables",
     "find_head",
     "head_for_target",

@@ -24,7 +24,7 @@ the prefill loop and the forward prologue (positions and the tree mask) are here
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -41,6 +41,7 @@ class Forward:
 
     logits: torch.Tensor  # [n, V] ([1, V] for a prefill chunk: its last row only)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, D], the layers asked for
+    prompt_logits: torch.Tensor | None = None  # [e, V] of the tree's prompt rows, where it had any and they ran
 
 
 class Runner(Protocol):
@@ -85,6 +86,7 @@ class RunnerBase:
     num_layers: int
     prefill_chunk: int = 256
     chunked_prefill: bool = True  # prefill may be called again with the next part of a prompt
+    prompt_rows: bool = False  # whether :meth:`forward` runs a tree's prompt rows (else it leaves them out)
     device: torch.device
     max_positions: int
 
@@ -96,8 +98,9 @@ class RunnerBase:
         raise NotImplementedError
 
     def _run(self, cache: KVCache, ids: list[int], step: Step, last_only: bool,
-             hidden_layers: Sequence[int]) -> Forward:
-        """One forward of ``ids`` at ``step.positions`` after the cache's committed entries (left pending)."""
+             hidden_layers: Sequence[int], extra_embeds: torch.Tensor | None = None) -> Forward:
+        """One forward of ``ids`` at ``step.positions`` after the cache's committed entries (left
+        pending); ``extra_embeds [e, D]``: rows input as embeddings after the ids' (``step`` covers them)."""
         raise NotImplementedError
 
     def _check_layers(self, hidden_layers: Sequence[int]) -> None:
@@ -130,17 +133,28 @@ class RunnerBase:
 
     def step_for(self, cache: KVCache, tree: DraftTree) -> Step:
         """The prologue of a tree forward: positions ``[n + 1]`` (root first) and the ancestor mask
-        (None for a chain: causal)."""
-        positions = torch.tensor([0] + tree.depths(), device=self.device) + cache.position
-        return Step(positions, None if tree.is_chain else tree.ancestor_mask(self.device))
+        (None for a chain: causal); with prompt rows, ``[n + 1 + e]`` (:meth:`DraftTree.forward_mask`)."""
+        if tree.prompts is None:
+            positions = torch.tensor([0] + tree.depths(), device=self.device) + cache.position
+            return Step(positions, None if tree.is_chain else tree.ancestor_mask(self.device))
+        positions = torch.tensor(tree.forward_positions(), device=self.device) + cache.position
+        return Step(positions, torch.from_numpy(tree.forward_mask()).to(self.device))
 
     @torch.inference_mode()
     def forward(self, cache: KVCache, root: int, tree: DraftTree, hidden_layers: Sequence[int] = ()) -> Forward:
         """Logits ``[n + 1, V]`` (and hidden states) for ``[root] + tree.tokens``; their KV entries are
-        left pending."""
+        left pending. A tree's prompt rows run after its nodes (their logits in ``prompt_logits``,
+        their entries pending after the nodes', never kept)."""
         if hidden_layers:
             self._check_layers(hidden_layers)
-        return self._run(cache, [root] + tree.tokens, self.step_for(cache, tree), False, hidden_layers)
+        ids = [root] + tree.tokens
+        if tree.prompts is not None and not self.prompt_rows:
+            tree = replace(tree, prompts=None)
+        if tree.prompts is None:
+            return self._run(cache, ids, self.step_for(cache, tree), False, hidden_layers)
+        out = self._run(cache, ids, self.step_for(cache, tree), False, hidden_layers, tree.prompts.embeds)
+        n = len(ids)
+        return Forward(out.logits[:n], {i: h[:n] for i, h in out.hidden.items()}, out.logits[n:])
 
     def forward_batch(self, caches: Sequence[KVCache], roots: Sequence[int], trees: Sequence[DraftTree],
                       prefills: Sequence[tuple[KVCache, list[int]]] = (),

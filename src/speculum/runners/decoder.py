@@ -245,7 +245,8 @@ class NativeDecoder:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, write: int | torch.Tensor,
                 keys: int, masks: dict[bool, torch.Tensor | None], last_only: bool = False,
-                hidden_layers: Sequence[int] = (), floors: RowFloors | None = None) -> Forward:
+                hidden_layers: Sequence[int] = (), floors: RowFloors | None = None,
+                extra_embeds: torch.Tensor | None = None) -> Forward:
         """Logits for ``n`` new tokens; their keys and values are written into ``kv``.
 
         Args:
@@ -264,9 +265,10 @@ class NativeDecoder:
             hidden_layers: hidden states to return (see :meth:`forward_with`).
             floors: the reproducible mode (:mod:`speculum.runners.invariance`): each matrix product over
                 at least its floor's rows, attention by the explicit path whatever the row count.
+            extra_embeds: ``[e, D]`` rows given as input embeddings after the ids' (``n`` counts them).
         Returns :class:`~speculum.runners.base.Forward`: ``[n, V]`` logits (``[1, V]`` with ``last_only``).
         """
-        n = ids.shape[0]
+        n = ids.shape[0] + (0 if extra_embeds is None else extra_embeds.shape[0])
 
         def attend(i: int, layer: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if self.fused:
@@ -283,11 +285,12 @@ class NativeDecoder:
                 kv[i, 1].index_copy_(1, write, v.transpose(0, 1))
             return self.attend(q, kv[i, 0, :, :keys], kv[i, 1, :, :keys], masks[layer.sliding], floors is not None)
 
-        return self.forward_with(ids, positions, attend, last_only, hidden_layers, floors or NO_FLOORS)
+        return self.forward_with(ids, positions, attend, last_only, hidden_layers, floors or NO_FLOORS,
+                                 extra_embeds=extra_embeds)
 
     def forward_with(self, ids: torch.Tensor, positions: torch.Tensor, attend, last_only: bool = False,
                      hidden_layers: Sequence[int] = (), floors: RowFloors = NO_FLOORS,
-                     logit_rows: torch.Tensor | None = None) -> Forward:
+                     logit_rows: torch.Tensor | None = None, extra_embeds: torch.Tensor | None = None) -> Forward:
         """:meth:`forward` with the cache left to ``attend(i, layer, q [n, H, d], k, v [n, H_kv, d])
         -> [n, H*d]``, which stores layer ``i``'s new keys and values where it keeps them and returns
         the attention output (how KV policies run the model: :mod:`speculum.runners.policy`).
@@ -295,9 +298,12 @@ class NativeDecoder:
         ``hidden_layers``: ``{i: [n, D]}`` to return, numbered as transformers'
         ``output_hidden_states``: 0 the embeddings, ``i`` the ``i``-th layer's output, ``layers`` the
         final norm's output. ``logit_rows [m]``: compute the logits of these rows only (a batch's
-        prefill chunks need their last row's)."""
+        prefill chunks need their last row's). ``extra_embeds [e, D]``: rows input as embeddings after
+        the ids' (a drafter's prompt rows)."""
         hidden: dict[int, torch.Tensor] = {}
         h = self.embed_ids(ids)
+        if extra_embeds is not None:
+            h = torch.cat((h, extra_embeds.to(h.dtype)))
         if 0 in hidden_layers:
             hidden[0] = h
         rope = self.rope(positions)

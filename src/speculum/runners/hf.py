@@ -160,12 +160,18 @@ class HFRunner(RunnerBase):
         add = grouped(mask, self.group, self.dtype)
         return None if add is None else add[None, None]
 
+    prompt_rows = True
+
     def _run(self, cache: StaticKVCache, ids: list[int], step: Step, last_only: bool,
-             hidden_layers: Sequence[int]) -> Forward:
-        cache.reserve(cache.length + len(ids))
+             hidden_layers: Sequence[int], extra_embeds: torch.Tensor | None = None) -> Forward:
+        cache.reserve(cache.length + step.n)
+        inputs = {"input_ids": torch.tensor([ids], device=self.device)}
+        if extra_embeds is not None:  # prompt rows: the whole input as embeddings (Gemma's scale included)
+            embeds = self.model.get_input_embeddings()(inputs["input_ids"])
+            inputs = {"inputs_embeds": torch.cat((embeds, extra_embeds.to(embeds.dtype)[None]), dim=1)}
         with self._our_kernels():
             out = self.model(
-                input_ids=torch.tensor([ids], device=self.device),
+                **inputs,
                 position_ids=step.positions[None],
                 attention_mask=self._masks(cache.length, step),
                 past_key_values=_CacheView(cache),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -147,6 +148,7 @@ class NativeRunner(RunnerBase):
         """One forward for several sequences' trees and prompt chunks (:mod:`speculum.runners.batched`)
         when their caches share one :class:`~speculum.cache.SlotPool`: logits ``[n_j + 1, V]`` per
         tree, its entries pending; each prompt chunk's entries committed."""
+        trees = [t if t.prompts is None else replace(t, prompts=None) for t in trees]  # (not batched yet)
         every = list(caches) + [c for c, _ in prefills]
         pools = {id(c.pool) for c in every if isinstance(c, SlotCache)}
         if len(every) < 2 or len(pools) != 1 or not all(isinstance(c, SlotCache) for c in every):
@@ -174,10 +176,10 @@ class NativeRunner(RunnerBase):
             raise RuntimeError("this KV cache's buffer belongs to another runner or cache")
 
     def _run(self, cache: StaticKVCache, ids: list[int], step: Step, last_only: bool,
-             hidden_layers: Sequence[int]) -> Forward:
+             hidden_layers: Sequence[int], extra_embeds: torch.Tensor | None = None) -> Forward:
         self._check_owner(cache)
         n = len(ids)
-        floors = None if last_only else self.floors
+        floors = None if last_only else self.floors  # (prompt rows never run in the reproducible mode)
         if floors is not None:
             if n > floors.up_to:
                 raise RuntimeError(f"a {n}-row step in the reproducible mode, whose floors were probed up to "
@@ -185,23 +187,29 @@ class NativeRunner(RunnerBase):
             rows = max(floors.step, KEY_FLOOR - cache.length)
             if n < rows:
                 ids, step = ids + [ids[0]] * (rows - n), _padded(step, rows)
-        m = len(ids)
+        m = step.n
         cache.reserve(cache.length + m)
         s = self.shape
         full, sliding = visibility(cache.length, step.positions, step.new_mask, s.sliding_window)
         masks = {False: grouped(full, s.group, self.dtype), True: grouped(sliding, s.group, self.dtype)}
         out = self.decoder.forward(torch.tensor(ids, device=self.device), step.positions, cache.kv, cache.length,
-                                   cache.length + m, masks, last_only, hidden_layers, floors)
+                                   cache.length + m, masks, last_only, hidden_layers, floors, extra_embeds)
         cache.pending = m
-        if m > n:  # drop the padding rows
+        if len(ids) > n:  # drop the padding rows
             out = Forward(out.logits[:n], {i: h[:n] for i, h in out.hidden.items()})
         return out
+
+    @property
+    def prompt_rows(self) -> bool:
+        """Whether a tree's prompt rows run (not in the reproducible or fixed-row modes, whose steps
+        must not depend on what was drafted)."""
+        return self.floors is None and self.fixed_rows is None
 
     @torch.inference_mode()
     def forward(self, cache: StaticKVCache, root: int, tree: DraftTree, hidden_layers: Sequence[int] = ()) -> Forward:
         """Logits ``[n + 1, V]`` for ``[root] + tree.tokens``: a CUDA-graph replay where one fits
         (and no hidden states are asked for), else an eager forward."""
-        if self.graphs is not None and cache.fixed and not hidden_layers:
+        if self.graphs is not None and cache.fixed and not hidden_layers and tree.prompts is None:
             self._check_owner(cache)
             ids = [root] + tree.tokens
             shapes = self.graphs.shapes_for(cache.length, len(ids))

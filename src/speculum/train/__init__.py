@@ -6,7 +6,7 @@ Three stages, each resumable (an interrupted run picks up where it stopped, from
    itself; recorded in ``prompts.jsonl``;
 2. data (:mod:`speculum.train.distill`): the model answers them, batched, keeping its features;
 3. training (one trainer per kind: :mod:`speculum.train.eagle`, :mod:`speculum.train.medusa` for
-   ``medusa`` and ``hydra``, :mod:`speculum.train.kangaroo`): the head, checkpointed; then ``<kind>.safetensors``, ``report.json``
+   ``medusa`` and ``hydra``, :mod:`speculum.train.kangaroo`, :mod:`speculum.train.ppd`): the head, checkpointed; then ``<kind>.safetensors``, ``report.json``
    and ``loss.png``.
 """
 
@@ -20,7 +20,11 @@ from pathlib import Path
 
 from ..errors import SpeculumError
 
-TRAINABLE = ("eagle", "medusa", "hydra", "kangaroo")
+TRAINABLE = ("eagle", "medusa", "hydra", "kangaroo", "ppd")
+# where a kind's training departs from DraftTraining's defaults (options the user leaves unset)
+KIND_DEFAULTS = {
+    "ppd": {"epochs": 1, "heads": 3, "vocab": 0, "lr": 1e-2},  # PPD's N = 3 prompt tokens, its learning rate
+}
 
 
 @dataclass
@@ -39,9 +43,16 @@ class DraftTraining:
     vocab: int = 8192
     lr: float = 1e-3
     unroll: int = 2
-    heads: int = 4  # medusa / hydra: heads (draft depths)
+    heads: int = 4  # medusa / hydra: heads; ppd: prompt tokens (draft depths)
     exit_layer: int = 2  # kangaroo: the target layers its draft runs
+    ensemble: int = 1  # ppd: embeddings per prompt position (EPT)
     seed: int = 0
+
+    @classmethod
+    def for_kind(cls, kind: str, **options) -> DraftTraining:
+        """The settings for ``kind``: ``options`` given as None take the kind's defaults."""
+        given = {k: v for k, v in options.items() if v is not None}
+        return cls(kind=kind, **{**KIND_DEFAULTS.get(kind, {}), **given})
 
 
 def _own_prompts(model, tok, n: int, seed: int, progress: bool) -> list[tuple[str, str]]:
@@ -88,14 +99,16 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
     from .eagle import EagleTrainer
     from .kangaroo import KangarooTrainer
     from .medusa import HydraTrainer, MedusaTrainer
+    from .ppd import PPDTrainer
     from .prompts import training_prompts
     from .trainer import TrainConfig, write_report
 
     if job.kind not in TRAINABLE:
         raise SpeculumError(f"train-draft --kind {job.kind}: only {', '.join(TRAINABLE)} can be trained so far")
-    if job.prompts < 8 or job.max_new_tokens < 8 or job.epochs < 1 or job.batch < 1 or not 1 <= job.heads <= 8:
-        raise SpeculumError("train-draft needs --prompts >= 8, --max-new-tokens >= 8, --epochs >= 1, --batch >= 1 "
-                            "and --heads in 1..8")
+    if job.prompts < 8 or job.max_new_tokens < 8 or job.epochs < 1 or job.batch < 1 or not 1 <= job.heads <= 8 \
+            or not 1 <= job.ensemble <= 8 or job.exit_layer < 1:
+        raise SpeculumError("train-draft needs --prompts >= 8, --max-new-tokens >= 8, --epochs >= 1, --batch >= 1, "
+                            "--heads and --ensemble in 1..8 and --exit-layer >= 1")
     out = Path(job.out).expanduser()
     run_dir = out / job.kind
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -121,8 +134,11 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
         cfg.num_heads = cfg.eval_depths = job.heads
     if job.kind == "kangaroo":
         cfg.exit_layer, cfg.eval_depths = job.exit_layer, 1
+    if job.kind == "ppd":
+        cfg.num_heads = cfg.eval_depths = job.heads
+        cfg.ensemble, cfg.vocab, cfg.max_len = job.ensemble, 0, 512
     trainer_cls = {"eagle": EagleTrainer, "medusa": MedusaTrainer, "hydra": HydraTrainer,
-                   "kangaroo": KangarooTrainer}[job.kind]
+                   "kangaroo": KangarooTrainer, "ppd": PPDTrainer}[job.kind]
     trainer = trainer_cls(model, samples, run_dir, cfg, progress)
     trainer.run()
     t_all = time.time() - t0
