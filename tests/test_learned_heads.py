@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, random_head, tiny_gemma3, tiny_llama
+from conftest import TINY_VOCAB, random_head, random_heads, tiny_gemma3, tiny_llama
 from test_sampling import VOCAB, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.drafters import DRAFTERS
@@ -187,3 +187,16 @@ def test_ppd_drafting_reads_what_training_computed(tmp_path):
         rows = PromptRows([-1] * 6, head.offsets(), head.embeddings.detach(), head.chain_mask())
         got = runner.forward(cache, ids[cut - 1], DraftTree(prompts=rows)).prompt_logits
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_auto_with_every_learned_arm_equals_ar(tiny_model, tmp_path):
+    """``auto`` with an arm per learned drafter stays lossless, and every arm drafts some steps."""
+    heads = random_heads(tiny_model, tmp_path)
+    auto = build_method("auto", tiny_model, None, draft_head=heads, sized=False)
+    assert {"eagle", *KINDS} <= set(auto.engine.drafter.arms)
+    ar = build_method("ar", tiny_model, None)
+    chosen = set()
+    for p in prompts(4, n=8):
+        assert auto.run(p, 40).tokens == ar.run(p, 40).tokens
+        chosen.update(auto.engine.drafter.chosen)
+    assert {"eagle", *KINDS} <= chosen

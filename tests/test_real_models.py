@@ -15,7 +15,6 @@ import math
 
 import pytest
 import torch
-from conftest import random_head
 
 from speculum.heads import find_head
 from speculum.methods import build_method
@@ -37,13 +36,14 @@ PROMPTS = [
 ]
 NEW = 64
 SPECULATIVE = ("ngram", "ngram_tree", "suffix", "recycling", "mix", "auto")
+LEARNED = ("eagle", "medusa", "hydra", "kangaroo", "ppd")
 
 
 def _check_methods(model, tok, chat, draft=None, cross_check=True, draft_head=None):
     runner = runner_for(model)
     assert isinstance(runner, NativeRunner)
     hf_runner = build_method("ar", model, tok, runner=HFRunner(model))
-    names = ["hf", "ar", "hf_pld"] + list(SPECULATIVE) + (["draft_model"] if draft is not None else []) + ["eagle"]
+    names = ["hf", "ar", "hf_pld"] + list(SPECULATIVE) + (["draft_model"] if draft is not None else []) + list(LEARNED)
     methods = {m: build_method(m, model, tok, draft, tok, runner=runner, draft_head=draft_head) for m in names}
     for prompt in PROMPTS:
         ids = encode_prompt(tok, prompt, chat)
@@ -57,9 +57,9 @@ def _check_methods(model, tok, chat, draft=None, cross_check=True, draft_head=No
 
 
 def test_smollm2_float32_lossless(smollm2_f32):
-    """Every method, ``eagle`` and ``auto`` with speculum's shipped head for this model."""
+    """Every method, the learned ones and ``auto`` with speculum's shipped heads for this model."""
     model, tok = smollm2_f32
-    assert find_head(model, "eagle") is not None
+    assert all(find_head(model, kind) is not None for kind in LEARNED)
     _check_methods(model, tok, chat=True, draft=model)  # self-drafting exercises the draft cache sync
 
 
@@ -74,7 +74,7 @@ def test_smollm2_every_drafter_drafts(smollm2_f32):
     runner = runner_for(model)
     prompts = [encode_prompt(tok, prompt, chat=True) for prompt in PROMPTS[-2:]]
     refs = [build_method("ar", model, tok, runner=runner).run(ids, NEW).tokens for ids in prompts]
-    for name in SPECULATIVE + ("eagle",):
+    for name in SPECULATIVE + LEARNED:
         method = build_method(name, model, tok, runner=runner, cost_model=FLAT_COST)
         accepted = 0.0
         for ids, ref in zip(prompts, refs):
@@ -84,11 +84,10 @@ def test_smollm2_every_drafter_drafts(smollm2_f32):
         assert accepted > 1.1, f"{name}: {accepted:.2f} tokens per step"
 
 
-def test_gemma3_float32_lossless_past_window(gemma3_f32, tmp_path):
-    """Every method past the 512-token sliding window; ``eagle`` with a random head (none ships for
-    Gemma-3 yet: its losslessness does not depend on the head's quality)."""
+def test_gemma3_float32_lossless_past_window(gemma3_f32):
+    """Every method past the 512-token sliding window, the learned ones with the shipped heads."""
     model, tok = gemma3_f32
-    head = random_head(model, tmp_path / "eagle.safetensors", trimmed=True)
+    assert all(find_head(model, kind) is not None for kind in LEARNED)
     assert model.config.sliding_window == 512
     long_prompt = PROMPTS[-1] * 3
     assert len(encode_prompt(tok, long_prompt, chat=False)) > 512 - NEW
@@ -96,9 +95,9 @@ def test_gemma3_float32_lossless_past_window(gemma3_f32, tmp_path):
     ids = encode_prompt(tok, long_prompt, chat=False)
     ref = build_method("ar", model, tok, runner=runner).run(ids, NEW).tokens
     assert build_method("ar", model, tok, runner=HFRunner(model)).run(ids, NEW).tokens == ref
-    for name in ("ngram", "mix", "auto", "eagle"):  # chains, and trees from every tree source
-        assert build_method(name, model, tok, runner=runner, draft_head=head).run(ids, NEW).tokens == ref, name
-    _check_methods(model, tok, chat=False, cross_check=False, draft_head=head)  # the HF runner: checked above
+    for name in ("ngram", "mix", "auto") + LEARNED:  # chains, and trees from every tree source
+        assert build_method(name, model, tok, runner=runner).run(ids, NEW).tokens == ref, name
+    _check_methods(model, tok, chat=False, cross_check=False)  # the HF runner: checked above
 
 
 def test_hf_assisted_drafts_across_tokenizers(smollm2_f32, gemma3_f32):

@@ -48,13 +48,20 @@ class DrafterEntry:
     max_tree: int = 64
 
 
-def _auto(target=None, draft_head=None, learned: bool = True, **options) -> AutoDrafter:
-    """``auto``, with an ``eagle`` arm when an eagle head for the target is given or shipped (``learned``)."""
-    eagle = None
-    path = (pick_head(draft_head, "eagle") or find_head(target, "eagle")) if learned and target is not None else None
-    if path is not None:
-        eagle = EagleDrafter(target, path)
-    return AutoDrafter(eagle=eagle, **options)
+# the learned drafters ``auto`` adds as arms where their heads exist (every arm costs exploration steps)
+AUTO_LEARNED = ("eagle", "medusa", "hydra", "kangaroo", "ppd")
+
+
+def _auto(target=None, draft_head=None, learned: bool | tuple[str, ...] = True, **options) -> AutoDrafter:
+    """``auto``, with an arm for every learned drafter of ``learned`` (True: :data:`AUTO_LEARNED`)
+    whose head for the target is given or shipped."""
+    kinds = AUTO_LEARNED if learned is True else tuple(learned or ())
+    arms = {}
+    for kind in kinds if target is not None else ():
+        path = pick_head(draft_head, kind) or find_head(target, kind)
+        if path is not None:
+            arms[kind] = DRAFTERS[kind].factory(target=target, draft_head=path)
+    return AutoDrafter(learned=arms, **options)
 
 
 def _mix(**options) -> MixDrafter:
@@ -74,7 +81,7 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "recycling_scored": DrafterEntry(partial(RecyclingDrafter, tree="scored", pair_context=True),
                                      "speculum's Token Recycling: best-first tree, token-pair table", scored=True),
     "mix": DrafterEntry(_mix, "suffix_merged and recycling_scored candidates in one tree", scored=True),
-    "auto": DrafterEntry(_auto, "a bandit over mix / ngram / eagle / none by measured tokens per second",
+    "auto": DrafterEntry(_auto, "a bandit over mix / ngram / the learned drafters / none by measured tokens per second",
                          scored=True, needs_target=True),
     "draft_model": DrafterEntry(DraftModelDrafter, "a smaller model with the same tokenizer drafts chains",
                                 needs_draft_model=True),

@@ -18,9 +18,11 @@ nothing; the bandit also catches costs the sizer does not model.
 The arms share their state (one suffix trie, one recycling matrix), so every arm keeps learning
 from every step whichever arm drafted it.
 
-With a trained head for the target (shipped, or ``draft_head``), ``eagle`` is one more arm; it
-reads the target's hidden states of every step, whichever arm drafted it, so its own cache stays
-in step.
+Learned drafters (``eagle`` and the others, where a head for the target is shipped or given) are
+more arms. They read the target's hidden states and prompt-row outputs of every step, whichever
+arm drafted it, so their own state stays in step (a ``ppd`` arm drafts from the prompt rows that
+the tree of the step before carried: whatever arm drafts, auto hangs ``ppd``'s rows onto its tree
+only when ``ppd`` drafted that step, so ``ppd`` drafts only on consecutive picks).
 """
 
 from __future__ import annotations
@@ -42,18 +44,17 @@ class AutoDrafter(Drafter):
     name = "auto"
 
     def __init__(self, gamma: float = 0.99, explore: float = 0.25, clock=time.perf_counter,
-                 eagle: Drafter | None = None):
+                 learned: dict[str, Drafter] | None = None):
         self.suffix, self.recycling = SuffixMergedDrafter(), RecyclingDrafter(tree="scored", pair_context=True)
         self.ngram = NgramDrafter()
-        self.eagle = eagle
+        self.learned = dict(learned or {})
         self.arms: dict[str, Drafter] = {
             "mix": MixDrafter([self.suffix, self.recycling]),
             "ngram": self.ngram,
             "none": AutoregressiveDrafter(),
+            **self.learned,
         }
-        if eagle is not None:
-            self.arms["eagle"] = eagle
-            self.hidden_layers = eagle.hidden_layers
+        self.hidden_layers = tuple(sorted({i for d in self.learned.values() for i in d.hidden_layers}))
         self.gamma, self.explore, self.clock = gamma, explore, clock
         self.tokens_sum = dict.fromkeys(self.arms, 0.0)  # discounted tokens committed by each arm
         self.time_sum = dict.fromkeys(self.arms, 0.0)  # discounted seconds spent in its steps
@@ -67,16 +68,15 @@ class AutoDrafter(Drafter):
         twin.suffix, twin.recycling, twin.ngram = self.suffix.fork(), self.recycling.fork(), self.ngram.fork()
         twin.arms = {"mix": MixDrafter([twin.suffix, twin.recycling]), "ngram": twin.ngram,
                      "none": self.arms["none"].fork()}
-        if self.eagle is not None:
-            twin.eagle = twin.arms["eagle"] = self.eagle.fork()
+        twin.learned = {name: d.fork() for name, d in self.learned.items()}
+        twin.arms.update(twin.learned)
         twin.chosen, twin._pending = [], None
         return twin
 
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
-        for d in (self.suffix, self.recycling, self.ngram, self.eagle):
-            if d is not None:
-                d.reset(prompt_ids, params, generator)
+        for d in (self.suffix, self.recycling, self.ngram, *self.learned.values()):
+            d.reset(prompt_ids, params, generator)
         # a new request may be a different kind of text: halve the evidence so every arm gets
         # re-tried early (estimates are kept, confidence is not)
         for a in self.arms:
@@ -125,8 +125,13 @@ class AutoDrafter(Drafter):
         return self.arms[self.start_step(len(tokens))].propose(tokens, budget)
 
     def see_hidden(self, hidden) -> None:
-        if self.eagle is not None:
-            self.eagle.see_hidden(hidden)
+        for d in self.learned.values():
+            if d.hidden_layers:
+                d.see_hidden({i: hidden[i] for i in d.hidden_layers})
+
+    def see_prompt_logits(self, tree, acceptance, logits) -> None:
+        if self.chosen and self.chosen[-1] in self.learned:
+            self.learned[self.chosen[-1]].see_prompt_logits(tree, acceptance, logits)
 
     def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits=None) -> None:
         self.arms["mix"].update(tokens, tree, acceptance, logits)  # the suffix trie and recycling table
