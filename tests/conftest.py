@@ -219,3 +219,16 @@ def random_heads(model, folder, trimmed: bool = False, seed: int = 0) -> tuple:
     """One random head file of every kind, for methods that take several (``--draft-head a,b,c``)."""
     return tuple(random_head(model, Path(folder) / f"{kind}.safetensors", trimmed, seed, kind=kind)
                  for kind in HEAD_KINDS)
+
+
+def committed_per_step(method, prompts, new: int = 40, ar=None) -> float:
+    """Tokens ``method`` commits per target forward over ``prompts`` (``new`` tokens each), checking
+    on the way that its output equals ``ar``'s where given."""
+    total = steps = 0
+    for p in prompts:
+        r = method.run(p, new)
+        if ar is not None:
+            assert r.tokens == ar.run(p, new).tokens
+        total += r.new_tokens
+        steps += len(r.steps)
+    return total / steps

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, random_head, tiny_gemma3, tiny_llama
+from conftest import TINY_VOCAB, committed_per_step, random_head, tiny_gemma3, tiny_llama
 from test_sampling import PARAMS, PROMPT, VOCAB, RejectionVerifier, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.drafters.eagle import EagleDrafter
@@ -131,14 +131,7 @@ def test_training_raises_acceptance(tmp_path):
 
     def accepted(path):
         method = build_method("eagle", model, None, draft_head=str(path), top_k=4, depth=4, max_nodes=16, sized=False)
-        ar = build_method("ar", model, None)
-        total = steps = 0
-        for p in prompts(9, n=6):
-            r = method.run(p, 40)
-            assert r.tokens == ar.run(p, 40).tokens
-            total += r.new_tokens
-            steps += len(r.steps)
-        return total / steps
+        return committed_per_step(method, prompts(9, n=6), ar=build_method("ar", model, None))
 
     before, after = accepted(untrained), accepted(trained)
     assert after > before + 0.3, (before, after)

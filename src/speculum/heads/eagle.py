@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..runners.packed import packed_linear
+from ..runners.packed import fast_linear
 
 
 @dataclass(frozen=True)
@@ -69,22 +69,19 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-b, a), dim=-1) * sin
 
 
-class EagleHead(nn.Module):
-    """``fc`` (``2D -> D``) then one Llama-style decoder layer; output the predicted feature ``[.., D]``."""
+class AttentionHead(nn.Module):
+    """What the heads with one attention block share (EAGLE's layer, Kangaroo's adapter): the
+    ``input_norm`` and ``q``, ``k``, ``v``, ``o`` projections of a config with ``hidden``, ``heads``,
+    ``kv_heads``, ``head_dim``, ``rope_theta`` and ``eps``, and rotary positions."""
 
-    def __init__(self, config: EagleConfig):
+    def __init__(self, c):
         super().__init__()
-        c = self.config = config
-        self.fc = nn.Linear(2 * c.hidden, c.hidden, bias=True)
+        self.config = c
         self.input_norm = RMSNorm(c.hidden, c.eps)
         self.q = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
         self.k = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
         self.v = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
         self.o = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
-        self.post_norm = RMSNorm(c.hidden, c.eps)
-        self.gate = nn.Linear(c.hidden, c.intermediate, bias=False)
-        self.up = nn.Linear(c.hidden, c.intermediate, bias=False)
-        self.down = nn.Linear(c.intermediate, c.hidden, bias=False)
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
 
@@ -93,6 +90,24 @@ class EagleHead(nn.Module):
         ang = positions.float()[:, None] * self.inv_freq[None, :]
         ang = torch.cat((ang, ang), dim=-1)
         return ang.cos().to(dtype), ang.sin().to(dtype)
+
+    @staticmethod
+    def fast(*weights: torch.Tensor, bias: torch.Tensor | None = None):
+        """A drafting-time product with ``weights`` stacked (:func:`~speculum.runners.packed.fast_linear`)."""
+        return fast_linear(torch.cat([w.detach() for w in weights]), bias)
+
+
+class EagleHead(AttentionHead):
+    """``fc`` (``2D -> D``) then one Llama-style decoder layer; output the predicted feature ``[.., D]``."""
+
+    def __init__(self, config: EagleConfig):
+        super().__init__(config)
+        c = config
+        self.fc = nn.Linear(2 * c.hidden, c.hidden, bias=True)
+        self.post_norm = RMSNorm(c.hidden, c.eps)
+        self.gate = nn.Linear(c.hidden, c.intermediate, bias=False)
+        self.up = nn.Linear(c.hidden, c.intermediate, bias=False)
+        self.down = nn.Linear(c.intermediate, c.hidden, bias=False)
 
     def _qkv(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor):
         """``feats, embeds [..., n, D]`` -> the residual ``[..., n, D]`` and roped ``q [..., H, n, d]``,
@@ -126,18 +141,12 @@ class EagleHead(nn.Module):
         """Ready for drafting: q/k/v and gate/up fused into one product each, prepacked for oneDNN
         where the weights are bfloat16 on a CPU that runs it (:func:`~speculum.runners.packed.packed_linear`).
         Call again after the weights change."""
-        def lin(weight: torch.Tensor, bias: torch.Tensor | None = None):
-            weight = weight.detach().contiguous()
-            bias = None if bias is None else bias.detach()
-            packed = packed_linear(weight, bias)
-            return packed if packed is not None else (lambda x: F.linear(x, weight, bias))
-
         self._fast = {
-            "fc": lin(self.fc.weight, self.fc.bias),
-            "qkv": lin(torch.cat((self.q.weight, self.k.weight, self.v.weight))),
-            "o": lin(self.o.weight),
-            "gate_up": lin(torch.cat((self.gate.weight, self.up.weight))),
-            "down": lin(self.down.weight),
+            "fc": self.fast(self.fc.weight, bias=self.fc.bias),
+            "qkv": self.fast(self.q.weight, self.k.weight, self.v.weight),
+            "o": self.fast(self.o.weight),
+            "gate_up": self.fast(self.gate.weight, self.up.weight),
+            "down": self.fast(self.down.weight),
         }
         return self
 

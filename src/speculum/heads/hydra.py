@@ -15,30 +15,19 @@ Shapes: ``D`` the target's hidden size, ``K`` the number of heads, ``m`` nodes e
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .medusa import ResBlock, fast_linear
+from ..runners.packed import fast_linear
+from .medusa import MedusaConfig, ResBlock
 
 
 @dataclass(frozen=True)
-class HydraConfig:
-    """The heads' shape, saved beside their weights."""
-
-    hidden: int  # D
-    num_heads: int = 4  # K
-    layers: int = 1  # residual blocks per head
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def for_target(cls, config, num_heads: int = 4) -> HydraConfig:
-        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-        return cls(hidden=cfg.hidden_size, num_heads=num_heads)
+class HydraConfig(MedusaConfig):
+    """The heads' shape (Medusa's fields), saved beside their weights."""
 
 
 class HydraHead(nn.Module):
@@ -73,7 +62,8 @@ class HydraHeads(nn.Module):
 
     def freeze(self) -> HydraHeads:
         """Ready for drafting (prepacked products where that applies)."""
-        self._fast = [(fast_linear(h.proj), [fast_linear(b.linear) for b in h.blocks]) for h in self.heads]
+        self._fast = [(fast_linear(h.proj.weight, h.proj.bias), [fast_linear(b.linear.weight, b.linear.bias)
+                                                                  for b in h.blocks]) for h in self.heads]
         return self
 
     def draft(self, k: int, feat: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from .eagle import HeadCache, RMSNorm, _rotate, cached_attention
-from .medusa import fast_linear
+from .eagle import AttentionHead, HeadCache, RMSNorm, _rotate, cached_attention
 
 
 @dataclass(frozen=True)
@@ -50,26 +48,12 @@ class KangarooConfig:
                    eps=float(getattr(cfg, "rms_norm_eps", 1e-6)))
 
 
-class KangarooAdapter(nn.Module):
+class KangarooAdapter(AttentionHead):
     """norm -> attention -> residual -> norm: shallow states ``[.., D]`` -> predicted features ``[.., D]``."""
 
     def __init__(self, config: KangarooConfig):
-        super().__init__()
-        c = self.config = config
-        self.input_norm = RMSNorm(c.hidden, c.eps)
-        self.q = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
-        self.k = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
-        self.v = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
-        self.o = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
-        self.out_norm = RMSNorm(c.hidden, c.eps)
-        inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
-
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [n]`` -> ``cos, sin [n, d]``."""
-        ang = positions.float()[:, None] * self.inv_freq[None, :]
-        ang = torch.cat((ang, ang), dim=-1)
-        return ang.cos().to(dtype), ang.sin().to(dtype)
+        super().__init__(config)
+        self.out_norm = RMSNorm(config.hidden, config.eps)
 
     def forward(self, states: torch.Tensor) -> torch.Tensor:
         """Training: shallow states ``[B, T, D]`` (token ``t`` at position ``t``, causal) -> ``[B, T, D]``."""
@@ -86,10 +70,7 @@ class KangarooAdapter(nn.Module):
 
     def freeze(self) -> KangarooAdapter:
         """Ready for drafting: q/k/v fused into one product (prepacked where that applies)."""
-        qkv = nn.Linear(self.config.hidden, self.q.out_features + 2 * self.k.out_features, bias=False)
-        with torch.no_grad():
-            qkv.weight.copy_(torch.cat((self.q.weight, self.k.weight, self.v.weight)))
-        self._fast = {"qkv": fast_linear(qkv.to(self.q.weight.dtype)), "o": fast_linear(self.o)}
+        self._fast = {"qkv": self.fast(self.q.weight, self.k.weight, self.v.weight), "o": self.fast(self.o.weight)}
         return self
 
     def step(self, states: torch.Tensor, positions: torch.Tensor, cache: HeadCache, visible: torch.Tensor) -> torch.Tensor:

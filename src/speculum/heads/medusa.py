@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..runners.packed import packed_linear
+from ..runners.packed import fast_linear
 
 
 @dataclass(frozen=True)
@@ -55,14 +55,6 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-def fast_linear(linear: nn.Linear):
-    """A drafting-time callable for ``linear`` (prepacked for oneDNN where that applies)."""
-    weight = linear.weight.detach().contiguous()
-    bias = None if linear.bias is None else linear.bias.detach()
-    packed = packed_linear(weight, bias)
-    return packed if packed is not None else (lambda x: F.linear(x, weight, bias))
-
-
 class MedusaHeads(nn.Module):
     """``K`` heads of ``layers`` residual blocks each; :meth:`forward` returns every head's feature."""
 
@@ -80,12 +72,8 @@ class MedusaHeads(nn.Module):
     def freeze(self) -> MedusaHeads:
         """Ready for drafting: the first block of every head in one product (their inputs are equal)."""
         first = [head[0].linear for head in self.heads]
-        joint = nn.Linear(self.config.hidden, self.config.hidden * len(first))
-        with torch.no_grad():
-            joint.weight.copy_(torch.cat([lin.weight for lin in first]))
-            joint.bias.copy_(torch.cat([lin.bias for lin in first]))
-        self._first = fast_linear(joint.to(first[0].weight.dtype))
-        self._rest = [[fast_linear(block.linear) for block in head[1:]] for head in self.heads]
+        self._first = fast_linear(torch.cat([lin.weight for lin in first]), torch.cat([lin.bias for lin in first]))
+        self._rest = [[fast_linear(block.linear.weight, block.linear.bias) for block in head[1:]] for head in self.heads]
         return self
 
     def draft(self, feat: torch.Tensor) -> torch.Tensor:

@@ -35,3 +35,12 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
         return y.reshape(*x.shape[:-1], out_features)
 
     return forward
+
+
+def fast_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """``x [..., in] -> [..., out]`` for drafting-time heads: :func:`packed_linear` where it applies,
+    else ``F.linear`` on (detached copies of) these weights."""
+    weight = weight.detach().contiguous()
+    bias = None if bias is None else bias.detach()
+    packed = packed_linear(weight, bias)
+    return packed if packed is not None else (lambda x: torch.nn.functional.linear(x, weight, bias))

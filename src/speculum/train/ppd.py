@@ -119,14 +119,14 @@ class PPDTrainer(HeadTrainer):
 
     def losses(self, batch, train: bool) -> tuple[torch.Tensor, list[dict]]:
         n = self.cfg.num_heads
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.device)
         hits = [0.0] * n
         count = [0] * n
         loss_sum = [0.0] * n
         for ids, cuts in batch:
             logits = torch.stack([self.head.combine(x) for x in self._forward(ids, cuts)])  # [K, N, V]
-            ids_t = torch.tensor(ids + [-1] * (n + 1))
-            labels = ids_t[torch.tensor(cuts)[:, None] + 1 + torch.arange(n)]  # [K, N]
+            ids_t = torch.tensor(ids + [-1] * (n + 1), device=self.device)
+            labels = ids_t[torch.tensor(cuts, device=self.device)[:, None] + 1 + torch.arange(n, device=self.device)]
             for i in range(n):
                 ok = labels[:, i] >= 0
                 if not ok.any():

@@ -118,7 +118,9 @@ class HeadTrainer:
         rng.shuffle(samples)
         n_val = max(1, int(len(samples) * cfg.val_share)) if len(samples) > 1 else 0
         self.val, self.train = samples[:n_val], samples[n_val:]
-        self.width = width = model.get_output_embeddings().weight.shape[0]
+        weight = model.get_output_embeddings().weight
+        self.width = width = weight.shape[0]
+        self.device = weight.device  # train where the model is (a GPU, where there is one)
         self.vocab, self.coverage = draft_vocab(self.train, cfg.vocab, width)
         self.tables = TargetTables.of(model, self.vocab, torch.float32)
         # index of each token in the draft vocabulary (-1 outside it)
@@ -126,8 +128,9 @@ class HeadTrainer:
         if self.vocab is not None:
             self.slot = torch.full((width,), -1, dtype=torch.int64)
             self.slot[self.vocab] = torch.arange(len(self.vocab))
+        self.slot = self.slot.to(self.device)
         torch.manual_seed(cfg.seed)
-        self.head = self.build_head(model)
+        self.head = self.build_head(model).to(self.device)
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                      betas=(0.9, 0.95))
         self.rng = rng
@@ -148,6 +151,14 @@ class HeadTrainer:
         raise NotImplementedError
 
     # -- shared pieces -----------------------------------------------------------------------------
+    def on_device(self, batch):
+        """A collated batch's tensors on the training device (other values as they are)."""
+        if isinstance(batch, torch.Tensor):
+            return batch.to(self.device, non_blocking=True)
+        if isinstance(batch, list | tuple):
+            return type(batch)(self.on_device(x) for x in batch)
+        return batch
+
     def scored_logits(self, pred: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> dict:
         """Cross-entropy and top-1 accuracy of predicted features ``pred [..., D]`` against token ids
         ``labels [...]`` where ``mask [...]`` holds and the label lies in the draft vocabulary."""
@@ -181,7 +192,7 @@ class HeadTrainer:
             batches = self.batches.epoch()
             self.head.train()
             for b in range(self.step_in_epoch, len(batches)):
-                batch = self.batches.collate(batches[b])
+                batch = self.on_device(self.batches.collate(batches[b]))
                 for g in self.opt.param_groups:
                     g["lr"] = self._lr(total)
                 loss, stats = self.losses(batch, train=True)
@@ -212,7 +223,7 @@ class HeadTrainer:
         hits = [0.0] * self.cfg.eval_depths
         count = [0] * self.cfg.eval_depths
         for idx in self.val_batches.epoch():
-            _, stats = self.losses(self.val_batches.collate(idx), train=False)
+            _, stats = self.losses(self.on_device(self.val_batches.collate(idx)), train=False)
             for k, st in enumerate(stats[:self.cfg.eval_depths]):
                 hits[k] += st["acc"] * st["n"]
                 count[k] += st["n"]
