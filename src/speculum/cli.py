@@ -235,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-new-tokens", type=int, default=256, help="response length cap (default: %(default)s)")
     t.add_argument("--batch", type=int, default=16, help="requests answered at once (default: %(default)s)")
     t.add_argument("--dtype", default="auto", help="the model's dtype while it answers: " + DTYPE_HELP)
-    t.add_argument("--epochs", type=int, default=None, help="passes over the data (default: 10; ppd 1)")
+    t.add_argument("--epochs", type=int, default=None, help="passes over the data (default: eagle 10, medusa and hydra 4, kangaroo 5, ppd 1)")
     t.add_argument("--vocab", type=int, default=None,
                    help="draft vocabulary: the N most frequent response tokens (FR-Spec); 0 = the whole "
                         "vocabulary (default: 8192; ppd drafts through the target's own LM head: 0)")

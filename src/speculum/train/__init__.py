@@ -23,6 +23,9 @@ from ..errors import SpeculumError
 TRAINABLE = ("eagle", "medusa", "hydra", "kangaroo", "ppd")
 # where a kind's training departs from DraftTraining's defaults (options the user leaves unset)
 KIND_DEFAULTS = {
+    "medusa": {"epochs": 4},  # one LM-head product per head and position: the CPU's budget
+    "hydra": {"epochs": 4},
+    "kangaroo": {"epochs": 5},
     "ppd": {"epochs": 1, "heads": 3, "vocab": 0, "lr": 1e-2},  # PPD's N = 3 prompt tokens, its learning rate
 }
 

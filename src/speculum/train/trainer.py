@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..heads import TargetTables, save_head
+from ..models import cpu_runs_bfloat16
 from .distill import Sample
 
 
@@ -121,6 +122,7 @@ class HeadTrainer:
         weight = model.get_output_embeddings().weight
         self.width = width = weight.shape[0]
         self.device = weight.device  # train where the model is (a GPU, where there is one)
+        self.bf16_logits = self.device.type == "cuda" or cpu_runs_bfloat16()
         self.vocab, self.coverage = draft_vocab(self.train, cfg.vocab, width)
         self.tables = TargetTables.of(model, self.vocab, torch.float32)
         # index of each token in the draft vocabulary (-1 outside it)
@@ -166,7 +168,10 @@ class HeadTrainer:
         scored = mask & (slot >= 0)
         if not scored.any():
             return {"loss": pred.new_zeros(()), "acc": 0.0, "n": int(mask.sum())}
-        logits = self.tables.logits(pred[scored])
+        # the LM-head product dominates a head's training: bfloat16 where the hardware runs it
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16_logits):
+            logits = self.tables.logits(pred[scored])
+        logits = logits.float()
         target = slot[scored]
         return {"loss": nn.functional.cross_entropy(logits, target),
                 "acc": (logits.argmax(-1) == target).float().mean().item(), "n": int(mask.sum())}
