@@ -194,13 +194,15 @@ def serve_in_thread(app):
     return srv, thread, port
 
 
-def random_head(model, path, trimmed: bool = False, seed: int = 0, scale: float = 8.0, kind: str = "eagle"):
+def random_head(model, path, trimmed: bool = False, seed: int = 0, scale: float = 8.0, kind: str = "eagle",
+                **config):
     """A ``kind`` head with random weights (``scale`` sharpens its output) saved to ``path``; ``trimmed``:
-    a draft vocabulary of every third token."""
+    a draft vocabulary of every third token; ``config``: the head config's options (``fuse_layers``)."""
     config_cls, module_cls = HEAD_KINDS[kind]
     torch.manual_seed(seed)
-    # kangaroo: exit after the first layer (the tiny models have 2 to 4)
-    head = module_cls(config_cls.for_target(model.config, **({"exit_layer": 1} if kind == "kangaroo" else {})))
+    if kind == "kangaroo":  # exit after the first layer (the tiny models have 2 to 4)
+        config.setdefault("exit_layer", 1)
+    head = module_cls(config_cls.for_target(model.config, **config))
     with torch.no_grad():
         if kind == "eagle":
             head.down.weight.mul_(scale)

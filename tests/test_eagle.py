@@ -256,3 +256,42 @@ def test_catching_up_in_pieces_drafts_the_same(monkeypatch, tmp_path):
     pieces = build_method("eagle", model, None, draft_head=str(path), sized=False).run(p, 30)
     assert pieces.tokens == whole.tokens
     assert [s.accepted for s in pieces.steps] == [s.accepted for s in whole.steps]
+
+
+@pytest.mark.parametrize("make, layers", [(tiny_llama, (0, 1)), (tiny_gemma3, (1, 2, 3))], ids=["llama", "gemma3"])
+def test_fused_eagle_equals_ar(make, layers, tmp_path):
+    """EAGLE-3's fused low/middle/high features: the drafter reads those layers and stays lossless."""
+    model = make()
+    path = random_head(model, tmp_path / "h.safetensors", trimmed=True, fuse_layers=layers)
+    eagle = build_method("eagle", model, None, draft_head=str(path), sized=False, top_k=4, depth=4, max_nodes=16)
+    assert eagle.engine.drafter.hidden_layers == layers
+    ar = build_method("ar", model, None)
+    for p in prompts(11):
+        assert eagle.run(p, 40).tokens == ar.run(p, 40).tokens
+
+
+def test_fused_training_raises_acceptance(tmp_path):
+    model = tiny_llama(seed=5)
+    runner = NativeRunner(model)
+    rng = random.Random(0)
+    train_prompts = [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(4, 16))] for _ in range(96)]
+    samples = []
+
+    def done(i, response, hidden):
+        samples.append(Sample(train_prompts[i] + response, len(train_prompts[i]), "tiny", hidden[2],
+                              layers={1: hidden[1], 2: hidden[2]}))
+
+    generate_batched(runner, None, train_prompts, 48, (1, 2), batch=16, on_done=done)
+    cfg = TrainConfig(epochs=10, lr=3e-3, batch_pairs=1024, vocab=0, unroll=2, checkpoint_every=10_000,
+                      eval_depths=2, fuse_layers=(1, 2))
+    trainer = EagleTrainer(model, samples, tmp_path / "run", cfg, progress=False)
+    untrained = trainer.save(tmp_path / "untrained.safetensors", {})
+    trainer.run()
+    trained = trainer.save(tmp_path / "trained.safetensors", {})
+
+    def accepted(path):
+        method = build_method("eagle", model, None, draft_head=str(path), top_k=4, depth=4, max_nodes=16, sized=False)
+        return committed_per_step(method, prompts(9, n=6), ar=build_method("ar", model, None))
+
+    before, after = accepted(untrained), accepted(trained)
+    assert after > before + 0.3, (before, after)

@@ -38,20 +38,21 @@ class EagleDrafter(Drafter):
         weight = target.get_output_embeddings().weight
         self.dtype, self.device = weight.dtype, weight.device
         self.vocab_size = weight.shape[0]
-        layer = self.head.config.feature_layer
-        self.hidden_layers = (target.config.get_text_config().num_hidden_layers if layer < 0 else layer,)
+        cfg = self.head.config
+        top = target.config.get_text_config().num_hidden_layers
+        self.hidden_layers = cfg.fuse_layers or (top if cfg.feature_layer < 0 else cfg.feature_layer,)
         self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
         self.min_path_prob = min_path_prob
 
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
         self.cache = HeadCache(self.head.config, len(prompt_ids) + 512, self.dtype, self.device)
-        self.unseen: list[torch.Tensor] = []  # [m, D] features of cached tokens the head has not read
+        self.unseen: list[torch.Tensor] = []  # [m, D] (fused: [m, layers * D]) states of cached tokens not yet read
         self.fed = 0  # pairs committed to the head's cache: (f_t, x_{t+1}) for t < fed
         self.lost = False  # features went missing (cannot happen through the engine): draft nothing
 
     def see_hidden(self, hidden: dict[int, torch.Tensor]) -> None:
-        self.unseen.append(hidden[self.hidden_layers[0]])
+        self.unseen.append(torch.cat([hidden[i] for i in self.hidden_layers], dim=-1))
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], budget: int) -> DraftTree:
@@ -75,6 +76,8 @@ class EagleDrafter(Drafter):
         c.reserve(c.used + n + self.top_k * (1 + self.top_k * self.depth))
         ids = torch.tensor(tokens[self.fed + 1:], device=self.device)
         feats = feats.to(self.dtype)
+        if self.head.config.fuse_layers:
+            feats = self.head._fast["fuse"](self.head.normalized_states(feats))
         for lo in range(0, n, CATCH_UP_CHUNK):  # a long prompt in pieces: the mask is [rows, keys]
             m = min(CATCH_UP_CHUNK, n - lo)
             visible = torch.ones(m, c.used + m, dtype=torch.bool, device=self.device)

@@ -38,19 +38,25 @@ class EagleConfig:
     rope_theta: float = 10000.0
     eps: float = 1e-6
     feature_layer: int = -1  # which target hidden state is the feature (-1: the final norm's output)
+    # EAGLE-3: the committed tokens' input feature fuses these target layers' hidden states
+    # (``fuse [len * D -> D]``); empty: the feature_layer's state as it is
+    fuse_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "fuse_layers", tuple(self.fuse_layers))  # (a list, read back from JSON)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def for_target(cls, config) -> EagleConfig:
+    def for_target(cls, config, fuse_layers: tuple[int, ...] = ()) -> EagleConfig:
         """A head sized like one decoder layer of the target (transformers ``config``)."""
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = cfg.num_attention_heads
         return cls(hidden=cfg.hidden_size, heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", heads),
                    head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
                    intermediate=cfg.intermediate_size, rope_theta=float(getattr(cfg, "rope_theta", 10000.0) or 10000.0),
-                   eps=float(getattr(cfg, "rms_norm_eps", 1e-6)))
+                   eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), fuse_layers=tuple(fuse_layers))
 
 
 class RMSNorm(nn.Module):
@@ -108,6 +114,22 @@ class EagleHead(AttentionHead):
         self.gate = nn.Linear(c.hidden, c.intermediate, bias=False)
         self.up = nn.Linear(c.hidden, c.intermediate, bias=False)
         self.down = nn.Linear(c.intermediate, c.hidden, bias=False)
+        if c.fuse_layers:
+            self.fuse = nn.Linear(len(c.fuse_layers) * c.hidden, c.hidden, bias=False)
+
+    def normalized_states(self, states: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3's fused layers' states ``[..., len(fuse_layers) * D]``, each layer's RMS-normalised
+        (residual streams of middle layers carry a few huge channels); others as they are."""
+        c = self.config
+        if not c.fuse_layers:
+            return states
+        parts = states.unflatten(-1, (len(c.fuse_layers), c.hidden))
+        return F.rms_norm(parts, (c.hidden,), eps=c.eps).flatten(-2)
+
+    def input_features(self, states: torch.Tensor) -> torch.Tensor:
+        """Normalised states (:meth:`normalized_states`) -> the head's input features ``[..., D]``: EAGLE-3's
+        fusion, or the feature layer's ``[..., D]`` as it is."""
+        return self.fuse(states) if self.config.fuse_layers else states
 
     def _qkv(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor):
         """``feats, embeds [..., n, D]`` -> the residual ``[..., n, D]`` and roped ``q [..., H, n, d]``,
@@ -148,6 +170,8 @@ class EagleHead(AttentionHead):
             "gate_up": self.fast(self.gate.weight, self.up.weight),
             "down": self.fast(self.down.weight),
         }
+        if self.config.fuse_layers:
+            self._fast["fuse"] = self.fast(self.fuse.weight)
         return self
 
     def step(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, cache: HeadCache,

@@ -39,6 +39,7 @@ class TrainConfig:
     token_weight: float = 0.1  # eagle: cross-entropy weight beside the feature loss
     noise: float = 0.2  # eagle: uniform feature noise, +- noise / 2 times the features' spread
     unroll: int = 2  # eagle: passes with the head's own predicted features
+    fuse_layers: tuple[int, ...] = ()  # eagle: EAGLE-3's fused input layers (empty: the final feature)
     vocab: int = 8192  # draft vocabulary size (0: the whole vocabulary)
     val_share: float = 0.05
     checkpoint_every: int = 50  # optimiser steps
