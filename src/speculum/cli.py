@@ -246,6 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="medusa / hydra: heads, ppd: prompt tokens, i.e. the draft depth (default: 4; ppd 3)")
     t.add_argument("--ensemble", type=int, default=None,
                    help="ppd: embeddings per prompt position, their logits averaged (EPT; default: 1)")
+    t.add_argument("--max-samples", type=int, default=None,
+                   help="train on at most this many of the data's samples (default: all; ppd 600)")
     t.add_argument("--exit-layer", type=int, default=2,
                    help="kangaroo: the target layers its draft runs before the adapter (default: %(default)s)")
     t.add_argument("--seed", type=int, default=0, help="prompt set, sampling and initialisation seed")
@@ -664,7 +666,8 @@ def cmd_train_draft(args) -> int:
                                  self_prompts=min(args.self_prompts, args.prompts // 2),
                                  max_new_tokens=args.max_new_tokens, batch=args.batch, dtype=args.dtype,
                                  epochs=args.epochs, vocab=args.vocab, lr=args.lr, unroll=args.unroll,
-                                 heads=args.heads, exit_layer=args.exit_layer, ensemble=args.ensemble, seed=args.seed)
+                                 heads=args.heads, exit_layer=args.exit_layer, ensemble=args.ensemble,
+                                 max_samples=args.max_samples, seed=args.seed)
     summary = train_draft(job, progress=not args.no_progress)
     depths = ", ".join(f"{a:.3f}" for a in summary["top1_by_depth"])
     print(f"wrote {summary['head']} ({summary['samples']} samples, {summary['tokens']} response tokens, "

@@ -26,7 +26,9 @@ KIND_DEFAULTS = {
     "medusa": {"epochs": 4},  # one LM-head product per head and position: the CPU's budget
     "hydra": {"epochs": 4},
     "kangaroo": {"epochs": 5},
-    "ppd": {"epochs": 1, "heads": 3, "vocab": 0, "lr": 1e-2},  # PPD's N = 3 prompt tokens, its learning rate
+    # PPD's N = 3 prompt tokens and learning rate; it trains N * D numbers, each step through the whole
+    # target: 600 samples suffice
+    "ppd": {"epochs": 1, "heads": 3, "vocab": 0, "lr": 1e-2, "max_samples": 600},
 }
 
 
@@ -49,6 +51,7 @@ class DraftTraining:
     heads: int = 4  # medusa / hydra: heads; ppd: prompt tokens (draft depths)
     exit_layer: int = 2  # kangaroo: the target layers its draft runs
     ensemble: int = 1  # ppd: embeddings per prompt position (EPT)
+    max_samples: int = 0  # train on at most this many samples (0: all)
     seed: int = 0
 
     @classmethod
@@ -131,6 +134,8 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
                           seed=job.seed, progress=progress)
     t_data = time.time() - t0
     samples = load_samples(shards)
+    if job.max_samples:
+        samples = samples[:job.max_samples]
     torch.manual_seed(job.seed)
     cfg = TrainConfig(epochs=job.epochs, lr=job.lr, vocab=job.vocab, unroll=job.unroll, seed=job.seed)
     if job.kind in ("medusa", "hydra"):
