@@ -295,3 +295,15 @@ def test_fused_training_raises_acceptance(tmp_path):
 
     before, after = accepted(untrained), accepted(trained)
     assert after > before + 0.3, (before, after)
+
+
+def test_eagle_fullvocab_drafts_outside_the_trimmed_vocabulary(tmp_path):
+    """``eagle_fullvocab``: a head trained with a trimmed LM head drafting through the whole one stays
+    lossless and drafts tokens the trimmed vocabulary leaves out."""
+    model = tiny_gemma3()
+    path = random_head(model, tmp_path / "h.safetensors", trimmed=True)
+    full = build_method("eagle_fullvocab", model, None, draft_head=str(path), sized=False)
+    assert full.engine.drafter.tables.vocab is None
+    ar = build_method("ar", model, None)
+    for p in prompts(12):
+        assert full.run(p, 40).tokens == ar.run(p, 40).tokens

@@ -87,6 +87,8 @@ DRAFTERS: dict[str, DrafterEntry] = {
                                 needs_draft_model=True),
     "eagle": DrafterEntry(EagleDrafter, "a trained EAGLE feature head drafting EAGLE-2's dynamic tree",
                           scored=True, needs_target=True),
+    "eagle_fullvocab": DrafterEntry(partial(EagleDrafter, full_vocab=True), "eagle drafting through the target's "
+                                    "whole LM head (against its trimmed draft vocabulary)", scored=True, needs_target=True),
     "medusa": DrafterEntry(MedusaDrafter, "trained Medusa-1 heads on the target's last feature, best-first tree",
                            scored=True, needs_target=True),
     "hydra": DrafterEntry(HydraDrafter, "trained Hydra heads (Medusa heads reading the drafted tokens), "

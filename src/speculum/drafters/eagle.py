@@ -9,6 +9,9 @@ grows EAGLE-2's dynamic tree (:mod:`speculum.drafters.dynamic_tree`): expanding 
 head forward whose pair is the parent's *predicted* feature and the node's token, attending the
 node's ancestors in the head's cache; all nodes of one depth go in one forward.
 
+``full_vocab`` drafts through the target's whole LM head even where the head was trained with a
+trimmed one (``eagle_fullvocab``: what the trimming saves).
+
 Sampled requests draft a chain, each token drawn from the head's own distribution q (the request's
 temperature / top-k / top-p applied to the draft logits), q attached for the verifier's ``min(1, p/q)``.
 With a trimmed draft vocabulary, q is zero outside it: still exact.
@@ -33,8 +36,8 @@ class EagleDrafter(Drafter):
     name = "eagle"
 
     def __init__(self, target: torch.nn.Module, draft_head: str | Path | None = None, top_k: int = 8,
-                 depth: int = 6, max_nodes: int = 48, min_path_prob: float = 0.02):
-        self.head, self.tables, self.path = head_for_target(target, "eagle", draft_head)
+                 depth: int = 6, max_nodes: int = 48, min_path_prob: float = 0.02, full_vocab: bool = False):
+        self.head, self.tables, self.path = head_for_target(target, "eagle", draft_head, full_vocab)
         weight = target.get_output_embeddings().weight
         self.dtype, self.device = weight.dtype, weight.device
         self.vocab_size = weight.shape[0]

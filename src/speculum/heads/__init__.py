@@ -232,10 +232,11 @@ def pick_head(files: HeadFiles, kind: str) -> Path | None:
     return None
 
 
-def head_for_target(target: torch.nn.Module, kind: str, files: HeadFiles) -> tuple[torch.nn.Module, TargetTables, Path]:
+def head_for_target(target: torch.nn.Module, kind: str, files: HeadFiles,
+                    full_vocab: bool = False) -> tuple[torch.nn.Module, TargetTables, Path]:
     """The ``kind`` head among the user's ``files`` (default: the one shipped for ``target``), in the
-    target's dtype and device and ready to draft, with the target tables it drafts through; loaded
-    once per target."""
+    target's dtype and device and ready to draft, with the target tables it drafts through (its
+    trimmed draft vocabulary, or with ``full_vocab`` the whole LM head); loaded once per target."""
     path = pick_head(files, kind)
     if files and path is None:
         given = ", ".join(str(p) for p in ([files] if isinstance(files, str | Path) else files))
@@ -257,4 +258,8 @@ def head_for_target(target: torch.nn.Module, kind: str, files: HeadFiles) -> tup
         head = loaded.module.to(weight.dtype).to(weight.device).freeze()
         per_target[key] = head, TargetTables.of(target, loaded.draft_vocab, weight.dtype)
     head, tables = per_target[key]
+    if full_vocab and tables.vocab is not None:
+        if (key, "full") not in per_target:
+            per_target[key, "full"] = TargetTables.of(target, None, tables.embed.dtype)
+        tables = per_target[key, "full"]
     return head, tables, path
