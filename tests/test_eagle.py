@@ -297,9 +297,9 @@ def test_fused_training_raises_acceptance(tmp_path):
     assert after > before + 0.3, (before, after)
 
 
-def test_eagle_fullvocab_drafts_outside_the_trimmed_vocabulary(tmp_path):
+def test_eagle_fullvocab_is_lossless(tmp_path):
     """``eagle_fullvocab``: a head trained with a trimmed LM head drafting through the whole one stays
-    lossless and drafts tokens the trimmed vocabulary leaves out."""
+    lossless."""
     model = tiny_gemma3()
     path = random_head(model, tmp_path / "h.safetensors", trimmed=True)
     full = build_method("eagle_fullvocab", model, None, draft_head=str(path), sized=False)
