@@ -1,7 +1,8 @@
 """End-to-end losslessness on the packaged models in float32 (slow: loads real weights).
 
 Six prompts x 64 new tokens on SmolLM2-135M-Instruct (chat template) and on Gemma-3-270M (base,
-sliding-window layers; one prompt runs past its 512-token window), for every engine method:
+sliding-window layers; one prompt runs past its 512-token window), for every engine method (the
+speculative ones on four of the six, to keep the suite's time):
 chains (ngram, draft_model) and trees (ngram_tree, suffix, recycling, mix, auto, eagle; sized to
 the calibrated float32 cost curve). Engine methods run on the native runner (the default for both
 models); plain decoding on the Hugging Face runner must give the same tokens.
@@ -34,6 +35,7 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman. " * 12
     + "Continue the story.",
 ]
+SPECULATIVE_PROMPTS = [PROMPTS[i] for i in (0, 2, 4, 5)]  # summary, code, repetition, long context
 NEW = 64
 SPECULATIVE = ("ngram", "ngram_tree", "suffix", "recycling", "mix", "auto")
 LEARNED = ("eagle", "medusa", "hydra", "kangaroo", "ppd")
@@ -52,6 +54,8 @@ def _check_methods(model, tok, chat, draft=None, cross_check=True, draft_head=No
         assert methods["hf"].run(ids, NEW).tokens == ref, "ar differs from transformers' greedy generate"
         if cross_check and prompt in PROMPTS[-3:]:
             assert hf_runner.run(ids, NEW).tokens == ref, "the native runner differs from the HF runner"
+        if prompt not in SPECULATIVE_PROMPTS:
+            continue
         for name in names[2:]:
             assert methods[name].run(ids, NEW).tokens == ref, f"{name} differs from ar on {prompt[:40]!r}"
 
