@@ -206,3 +206,17 @@ def test_longctx_writes_results(tmp_path, capsys):
     assert snap["kv_bytes"] < 0.3 * full["kv_bytes"]
     assert (out / "results.md").exists() and (out / "accuracy.png").exists()
     assert "| snapkv | 64 |" in capsys.readouterr().out
+
+
+def test_bench_tasks_keeps_only_those_tasks():
+    """``bench --tasks`` filters every Spec-Bench workload, MT-bench's categories under one name."""
+    from speculum.bench.data import demo_prompts_path, load_prompts
+    from speculum.cli import _only_tasks
+    from speculum.errors import SpeculumError
+
+    prompts = load_prompts(demo_prompts_path())
+    kept = _only_tasks(prompts, "mt_bench, rag")
+    assert kept and {p.task for p in kept} == {"mt_bench", "rag"}
+    assert _only_tasks(prompts, None) == prompts
+    with pytest.raises(SpeculumError, match="no prompt of --tasks"):
+        _only_tasks(prompts, "nonexistent")

@@ -445,6 +445,7 @@ def cmd_bench(args) -> int:
         prompts = repeated_workload(load_prompts(args.data or repeated_prompts_path(), args.per_task), args.rounds)
     else:
         prompts = load_prompts(args.data or demo_prompts_path(), args.per_task)
+    prompts = _only_tasks(prompts, args.tasks)
     model, tok, draft, draft_tok = _load(args, methods)
     results, records = run_benchmark(model, tok, prompts, methods, args.max_new_tokens, sampling, args.chat,
                                      draft, draft_tok, seed=args.seed or 0, progress=not args.no_progress,
@@ -455,6 +456,17 @@ def cmd_bench(args) -> int:
     print(markdown_table({**meta, **results}))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'speedup.png'}")
     return 0
+
+
+def _only_tasks(prompts: list, tasks: str | None) -> list:
+    """The prompts of the comma-separated Spec-Bench ``tasks`` (all of them when ``tasks`` is None)."""
+    if not tasks:
+        return prompts
+    wanted = {t.strip() for t in tasks.split(",") if t.strip()}
+    kept = [p for p in prompts if p.task in wanted]
+    if not kept:
+        raise SpeculumError(f"no prompt of --tasks {tasks} in the data")
+    return kept
 
 
 def _bench_serving(args) -> int:
@@ -481,12 +493,7 @@ def _bench_serving(args) -> int:
     method = (args.methods or "auto").split(",")[0].strip()
     if args.url is None and method not in ENGINE_METHODS:
         raise SpeculumError(f"the serving workload serves one engine method; choose from {', '.join(ENGINE_METHODS)}")
-    prompts = load_prompts(args.data or demo_prompts_path(), args.per_task)
-    if args.tasks:
-        tasks = {t.strip() for t in args.tasks.split(",") if t.strip()}
-        prompts = [p for p in prompts if p.task in tasks]
-        if not prompts:
-            raise SpeculumError(f"no prompt of --tasks {args.tasks} in the data")
+    prompts = _only_tasks(load_prompts(args.data or demo_prompts_path(), args.per_task), args.tasks)
     include = [x.strip() for x in (args.include or "").split(",") if x.strip()]
     meta = {"machine": machine_info(torch.device("cpu")), "versions": versions(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "settings": {"concurrency": levels, "requests": args.requests, "max_tokens": max_tokens,
