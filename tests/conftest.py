@@ -234,3 +234,19 @@ def committed_per_step(method, prompts, new: int = 40, ar=None) -> float:
         total += r.new_tokens
         steps += len(r.steps)
     return total / steps
+
+
+def batched_join_midway(runner, engine, prompts, new: int = 40) -> list[list[int]]:
+    """Decode ``prompts`` together in one slot pool, one forward per step, every other request
+    joining mid-way (prefilled 7 tokens at a time alongside the others' decode steps); each request
+    drafts with its own fork of ``engine``'s drafter. Returns each request's generated tokens."""
+    from speculum.engine import step
+
+    pool = runner.new_pool(len(prompts), 128)
+    decodings = [engine.start(p, new, cache=pool.acquire(), drafter=engine.drafter.fork(), prefill=i % 2 == 0)
+                 for i, p in enumerate(prompts)]
+    while any(d.reason is None for d in decodings):
+        live = [d for d in decodings if d.reason is None and d.prefilled]
+        chunks = [(d, d.next_chunk(7)) for d in decodings if not d.prefilled]
+        step(live, prefills=chunks)
+    return [d.generated for d in decodings]

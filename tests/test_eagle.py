@@ -7,11 +7,11 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, committed_per_step, random_head, tiny_gemma3, tiny_llama
+from conftest import TINY_VOCAB, batched_join_midway, committed_per_step, random_head, tiny_gemma3, tiny_llama
 from test_sampling import PARAMS, PROMPT, VOCAB, RejectionVerifier, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.drafters.eagle import EagleDrafter
-from speculum.engine import Engine, step
+from speculum.engine import Engine
 from speculum.errors import SpeculumError
 from speculum.heads import EagleConfig, EagleHead, load_head, save_head
 from speculum.methods import build_method
@@ -58,14 +58,7 @@ def test_batched_eagle_equals_solo(tmp_path):
     ar = Engine(runner, EagleDrafter(model, path, top_k=1, depth=1, max_nodes=0), eos_token_ids=[])
     ps = prompts(2, n=5)
     solo = [ar.generate(p, 40).tokens for p in ps]
-    pool = runner.new_pool(len(ps), 128)
-    decodings = [engine.start(p, 40, cache=pool.acquire(), drafter=engine.drafter.fork(), prefill=i % 2 == 0)
-                 for i, p in enumerate(ps)]
-    while any(d.reason is None for d in decodings):
-        live = [d for d in decodings if d.reason is None and d.prefilled]
-        chunks = [(d, d.next_chunk(7)) for d in decodings if not d.prefilled]
-        step(live, prefills=chunks)
-    assert [d.generated for d in decodings] == solo
+    assert batched_join_midway(runner, engine, ps) == solo
 
 
 def test_head_that_needs_a_gap_drafts_nothing_rather_than_wrong(tmp_path):
@@ -110,30 +103,39 @@ def test_verifier_that_ignores_eagle_q_after_a_rejection_is_detected(sampling_mo
     assert p < 1e-6
 
 
-def test_training_raises_acceptance(tmp_path):
-    """A few seconds of training on the tiny model's own outputs beat the untrained head."""
+def _train_tiny_eagle(tmp_path, fuse_layers: tuple = ()):
+    """Self-distil the tiny Llama on 96 random prompts and train an eagle head on it for a few
+    seconds. Returns (model, trainer, untrained head file, trained head file)."""
     model = tiny_llama(seed=5)
     runner = NativeRunner(model)
     rng = random.Random(0)
     train_prompts = [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(4, 16))] for _ in range(96)]
     samples = []
+    recorded = tuple(sorted({runner.num_layers, *fuse_layers}))
 
     def done(i, response, hidden):
-        samples.append(Sample(train_prompts[i] + response, len(train_prompts[i]), "tiny", hidden[runner.num_layers]))
+        samples.append(Sample(train_prompts[i] + response, len(train_prompts[i]), "tiny", hidden[runner.num_layers],
+                              layers={k: hidden[k] for k in fuse_layers}))
 
-    generate_batched(runner, None, train_prompts, 48, (runner.num_layers,), batch=16, on_done=done)
-    cfg = TrainConfig(epochs=10, lr=3e-3, batch_pairs=1024, vocab=0, unroll=2, checkpoint_every=10_000, eval_depths=2)
+    generate_batched(runner, None, train_prompts, 48, recorded, batch=16, on_done=done)
+    cfg = TrainConfig(epochs=10, lr=3e-3, batch_pairs=1024, vocab=0, unroll=2, checkpoint_every=10_000,
+                      eval_depths=2, fuse_layers=fuse_layers)
     trainer = EagleTrainer(model, samples, tmp_path / "run", cfg, progress=False)
     untrained = trainer.save(tmp_path / "untrained.safetensors", {})
     trainer.run()
-    trained = trainer.save(tmp_path / "trained.safetensors", {})
+    return model, trainer, untrained, trainer.save(tmp_path / "trained.safetensors", {})
+
+
+def _committed(model, path) -> float:
+    method = build_method("eagle", model, None, draft_head=str(path), top_k=4, depth=4, max_nodes=16, sized=False)
+    return committed_per_step(method, prompts(9, n=6), ar=build_method("ar", model, None))
+
+
+def test_training_raises_acceptance(tmp_path):
+    """A few seconds of training on the tiny model's own outputs beat the untrained head."""
+    model, trainer, untrained, trained = _train_tiny_eagle(tmp_path)
     assert trainer.history.evals[-1]["top1"][0] > trainer.history.evals[0]["top1"][0] - 1e-9
-
-    def accepted(path):
-        method = build_method("eagle", model, None, draft_head=str(path), top_k=4, depth=4, max_nodes=16, sized=False)
-        return committed_per_step(method, prompts(9, n=6), ar=build_method("ar", model, None))
-
-    before, after = accepted(untrained), accepted(trained)
+    before, after = _committed(model, untrained), _committed(model, trained)
     assert after > before + 0.3, (before, after)
     meta = load_head(trained).meta
     assert meta["vocab"] == TINY_VOCAB and meta["train_samples"] > 0
@@ -271,29 +273,9 @@ def test_fused_eagle_equals_ar(make, layers, tmp_path):
 
 
 def test_fused_training_raises_acceptance(tmp_path):
-    model = tiny_llama(seed=5)
-    runner = NativeRunner(model)
-    rng = random.Random(0)
-    train_prompts = [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(4, 16))] for _ in range(96)]
-    samples = []
-
-    def done(i, response, hidden):
-        samples.append(Sample(train_prompts[i] + response, len(train_prompts[i]), "tiny", hidden[2],
-                              layers={1: hidden[1], 2: hidden[2]}))
-
-    generate_batched(runner, None, train_prompts, 48, (1, 2), batch=16, on_done=done)
-    cfg = TrainConfig(epochs=10, lr=3e-3, batch_pairs=1024, vocab=0, unroll=2, checkpoint_every=10_000,
-                      eval_depths=2, fuse_layers=(1, 2))
-    trainer = EagleTrainer(model, samples, tmp_path / "run", cfg, progress=False)
-    untrained = trainer.save(tmp_path / "untrained.safetensors", {})
-    trainer.run()
-    trained = trainer.save(tmp_path / "trained.safetensors", {})
-
-    def accepted(path):
-        method = build_method("eagle", model, None, draft_head=str(path), top_k=4, depth=4, max_nodes=16, sized=False)
-        return committed_per_step(method, prompts(9, n=6), ar=build_method("ar", model, None))
-
-    before, after = accepted(untrained), accepted(trained)
+    """The same with EAGLE-3's fused features (both tiny layers)."""
+    model, _, untrained, trained = _train_tiny_eagle(tmp_path, fuse_layers=(1, 2))
+    before, after = _committed(model, untrained), _committed(model, trained)
     assert after > before + 0.3, (before, after)
 
 

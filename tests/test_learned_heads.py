@@ -8,11 +8,19 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, committed_per_step, random_head, random_heads, tiny_gemma3, tiny_llama
+from conftest import (
+    TINY_VOCAB,
+    batched_join_midway,
+    committed_per_step,
+    random_head,
+    random_heads,
+    tiny_gemma3,
+    tiny_llama,
+)
 from test_sampling import VOCAB, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.drafters import DRAFTERS
-from speculum.engine import Engine, step
+from speculum.engine import Engine
 from speculum.errors import SpeculumError
 from speculum.heads import load_head
 from speculum.methods import build_method
@@ -67,14 +75,7 @@ def test_batched_heads_equal_solo(kind, tmp_path):
     ar = build_method("ar", model, None, runner=runner)
     ps = prompts(2, n=5)
     solo = [ar.run(p, 40).tokens for p in ps]
-    pool = runner.new_pool(len(ps), 128)
-    decodings = [engine.start(p, 40, cache=pool.acquire(), drafter=drafter.fork(), prefill=i % 2 == 0)
-                 for i, p in enumerate(ps)]
-    while any(d.reason is None for d in decodings):
-        live = [d for d in decodings if d.reason is None and d.prefilled]
-        chunks = [(d, d.next_chunk(7)) for d in decodings if not d.prefilled]
-        step(live, prefills=chunks)
-    assert [d.generated for d in decodings] == solo
+    assert batched_join_midway(runner, engine, ps) == solo
 
 
 @pytest.mark.parametrize("kind", KINDS)
