@@ -227,6 +227,8 @@ class Decoding:
             self.prompt_hidden.append(hidden)
         if self.to_prefill == 0 and not self.started:
             self.drafter.reset(self.prompt, self.verifier.params, self.verifier.generator)
+            if self.drafter.reads_cache:
+                self.drafter.see_cache(self.cache)
             self.started = True
             if self.drafter.hidden_layers and self.prompt_hidden:
                 parts, self.prompt_hidden = self.prompt_hidden, []

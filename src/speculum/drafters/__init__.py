@@ -19,13 +19,16 @@ from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
 from .hydra import HydraDrafter
 from .kangaroo import KangarooDrafter
+from .kv_draft import KVDraftDrafter
 from .medusa import MedusaDrafter
 from .mix import MixDrafter
 from .ngram import NgramDrafter
 from .ppd import PPDDrafter
+from .quant_self import QuantSelfDrafter
 from .recycling import RecyclingDrafter
 from .suffix import SuffixDrafter
 from .suffix_merged import SuffixMergedDrafter
+from .swift import SwiftDrafter
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,12 @@ DRAFTERS: dict[str, DrafterEntry] = {
                              "early exit (Kangaroo)", scored=True, needs_target=True),
     "ppd": DrafterEntry(PPDDrafter, "trained prompt tokens in the verification forward predict the next step's "
                         "tree (PPD)", scored=True, needs_target=True),
+    "swift": DrafterEntry(SwiftDrafter, "the target with layers skipped drafts chains, the skipped set searched "
+                          "on the fly (SWIFT)", scored=True, needs_target=True),
+    "quant_self": DrafterEntry(QuantSelfDrafter, "an int4 weight-only copy of the target drafts chains over the "
+                               "target's cache (QSpec-style)", scored=True, needs_target=True),
+    "kv_draft": DrafterEntry(KVDraftDrafter, "lossless long context: the target drafts reading only attention "
+                             "sinks and a recent window of its cache (TriForce-style)", scored=True, needs_target=True),
 }
 
 __all__ = [
@@ -108,12 +117,15 @@ __all__ = [
     "DrafterEntry",
     "EagleDrafter",
     "HydraDrafter",
+    "KVDraftDrafter",
     "KangarooDrafter",
     "MedusaDrafter",
     "MixDrafter",
     "NgramDrafter",
     "PPDDrafter",
+    "QuantSelfDrafter",
     "RecyclingDrafter",
     "SuffixDrafter",
     "SuffixMergedDrafter",
+    "SwiftDrafter",
 ]

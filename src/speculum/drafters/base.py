@@ -25,6 +25,9 @@ class Drafter(ABC):
     # target hidden-state layers this drafter reads (numbered as in :mod:`speculum.runners.base`);
     # the engine then hands them over through :meth:`see_hidden`
     hidden_layers: tuple[int, ...] = ()
+    # whether this drafter reads the target's KV cache (a self-draft); the engine then hands it over
+    # through :meth:`see_cache`
+    reads_cache: bool = False
 
     def reset(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
         """Start a new request. ``params`` and ``generator`` are the engine's (for sampled drafts)."""
@@ -39,6 +42,11 @@ class Drafter(ABC):
         """The target's hidden states ``{layer: [m, D]}`` (the layers of :attr:`hidden_layers`) of the
         ``m`` tokens just cached, in order: the prompt's (all but its last token) after prefill, then
         after each step the root's and the accepted tokens'. Called only for a drafter that asks."""
+
+    def see_cache(self, cache) -> None:
+        """The target's KV cache of this request (after :meth:`reset`), for a drafter that
+        :attr:`reads_cache`: it may read the committed entries and write into the free slots after
+        them, which the next verification forward overwrites."""
 
     def see_prompt_logits(self, tree: DraftTree, acceptance: Acceptance, logits: torch.Tensor | None) -> None:
         """The outputs ``[e, V]`` of the prompt rows this step's ``tree`` carried

@@ -1,0 +1,28 @@
+"""``quant_self``: a weight-only quantized copy of the target drafts; the target verifies (QSpec,
+Zhao et al. 2024, drafts with low-precision weights of the same model).
+
+The copy's linear layers and LM head are quantized to int4 (groups of 32, the default) or int8
+(per channel) (:mod:`speculum.runners.quantized`); embeddings, norms and the attention itself are
+the target's. It drafts over the target's own KV cache (:mod:`speculum.runners.self_draft`), so the
+context it reads is the full-precision one and nothing is prefilled twice. Drafting is
+:class:`~speculum.drafters.self_draft.SelfDrafter`'s: a chain with a confidence stop, or a dynamic
+tree with ``top_k > 1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runners.quantized import quantized_head, quantized_layers
+from ..runners.self_draft import SelfDraft
+from .self_draft import SelfDrafter
+
+
+class QuantSelfDrafter(SelfDrafter):
+    name = "quant_self"
+
+    def __init__(self, target: torch.nn.Module, bits: int = 4, depth: int = 6, **options):
+        super().__init__(target, depth=depth, **options)
+        self.bits = bits
+        self.model = SelfDraft(self.decoder, weights=quantized_layers(self.decoder, bits),
+                               head=quantized_head(self.decoder, bits))

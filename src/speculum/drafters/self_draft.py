@@ -1,0 +1,133 @@
+"""The drafting loop every self-drafter shares (``swift``, ``quant_self``, ``kv_draft``): the target's
+own decoder, with something taken away (:class:`~speculum.runners.self_draft.SelfDraft`), drafts
+over the target's KV cache.
+
+Each step the root runs first (the committed tokens are already in the target's cache: there is
+nothing to catch up on); its logits give the first depth. Then, greedy:
+
+- ``top_k=1``: a chain, stopped early where the drafted token's own probability falls below
+  ``exit_confidence`` (SWIFT's confidence-aware drafting; Kangaroo's early exit);
+- ``top_k>1``: EAGLE-2's dynamic tree (:mod:`speculum.drafters.dynamic_tree`), all nodes of one depth
+  in one forward, growth stopping where a path's probability falls below ``min_path_prob``.
+
+Sampled requests draft a chain, each token drawn from the draft's own distribution q (the request's
+temperature / top-k / top-p on the draft logits), q attached for the verifier's ``min(1, p/q)``;
+the chain stops where the drawn token's q falls below ``exit_confidence`` (a rule on the draft
+alone, so the output distribution stays the target's).
+
+A subclass sets ``self.model`` (or overrides :meth:`model_for`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import torch
+
+from ..errors import SpeculumError
+from ..runners import runner_for
+from ..runners.decoder import NativeDecoder
+from ..runners.self_draft import SelfDraft, check_plain_cache
+from ..tree import DraftTree
+from .base import Drafter
+from .dynamic_tree import DynamicTree
+
+
+def native_decoder(target: torch.nn.Module, who: str) -> NativeDecoder:
+    """The target's native decoder (raises :class:`SpeculumError` where the native runner cannot run it)."""
+    try:
+        return runner_for(target, "native").decoder
+    except SpeculumError as e:
+        raise SpeculumError(f"{who} drafts with the target's own layers on the native runner: {e}") from None
+
+
+class SelfDrafter(Drafter):
+    """Chain / tree drafting through a :class:`SelfDraft` over the target's KV cache."""
+
+    reads_cache = True
+    model: SelfDraft
+
+    def __init__(self, target: torch.nn.Module, top_k: int = 1, depth: int = 6, max_nodes: int = 24,
+                 exit_confidence: float = 0.5, min_path_prob: float = 0.02, draft_head=None):
+        if draft_head is not None:
+            raise SpeculumError(f"{self.name} drafts with the target's own weights: it takes no draft head")
+        self.decoder = native_decoder(target, self.name)
+        self.device = self.decoder.device
+        self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
+        self.exit_confidence, self.min_path_prob = exit_confidence, min_path_prob
+        self.target_cache = None
+
+    def fork(self) -> SelfDrafter:
+        twin = super().fork()
+        twin.model = copy.copy(self.model)  # per-step state (the cache it writes into) is per request
+        return twin
+
+    def see_cache(self, cache) -> None:
+        check_plain_cache(cache, self.decoder, self.name)
+        self.target_cache = cache
+
+    def model_for(self, tokens: list[int]) -> SelfDraft:
+        """The draft model of this step (``swift`` searches its layers first)."""
+        return self.model
+
+    @torch.inference_mode()
+    def propose(self, tokens: list[int], budget: int) -> DraftTree:
+        cache = self.target_cache
+        if budget <= 0 or cache is None or cache.length != len(tokens) - 1:
+            return DraftTree()
+        model = self.model_for(tokens)
+        depth = min(self.depth, budget)
+        model.begin(cache, 1 + depth * max(self.top_k, 1))
+        root_pos = len(tokens) - 1
+        yes = torch.ones(1, 1, dtype=torch.bool, device=self.device)
+        logits = model.run(self._ids(tokens[-1:]), self._pos([root_pos]), yes)[0]  # [V]
+        if not self.params.greedy:
+            return self._sampled_chain(model, logits, root_pos, depth)
+        return self._tree(model, logits, root_pos, depth, budget)
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, device=self.device)
+
+    def _pos(self, positions: list[int]) -> torch.Tensor:
+        return torch.tensor(positions, device=self.device)
+
+    def _sampled_chain(self, model: SelfDraft, logits: torch.Tensor, root_pos: int, k: int) -> DraftTree:
+        drafted, qs = [], []
+        for i in range(k):
+            q = self.params.probs(logits)
+            tok = int(torch.multinomial(q, 1, generator=self.generator))
+            drafted.append(tok)
+            qs.append(q)
+            if i + 1 == k or float(q[tok]) < self.exit_confidence:
+                break
+            visible = torch.ones(1, model.used + 1, dtype=torch.bool, device=self.device)
+            logits = model.run(self._ids([tok]), self._pos([root_pos + i + 1]), visible)[0]
+        return DraftTree.chain(drafted, torch.stack(qs))
+
+    def _tree(self, model: SelfDraft, root_logits: torch.Tensor, root_pos: int, depth: int, budget: int) -> DraftTree:
+        grow = DynamicTree(self.top_k, self.min_path_prob if self.top_k > 1 else 0.0)
+        slot: dict[int, int] = {-1: 0}  # node -> its pending slot (the root's is 0)
+        anc: dict[int, list[int]] = {-1: [0]}  # node -> pending slots of its ancestors, the root's included
+        level = grow.add_children([-1], torch.log_softmax(root_logits[None].float(), -1))
+        for d in range(1, depth):
+            frontier = grow.frontier(level)
+            if self.top_k == 1:  # confidence-aware stop: the token's own probability
+                frontier = [i for i in frontier
+                            if grow.scores[i] - (grow.scores[grow.parents[i]] if grow.parents[i] >= 0 else 0.0)
+                            >= math.log(max(self.exit_confidence, 1e-30))]
+            if not frontier:
+                break
+            m, used = len(frontier), model.used
+            visible = np.zeros((m, used + m), dtype=bool)
+            for r, node in enumerate(frontier):
+                parent = grow.parents[node]
+                anc[node] = anc[parent] + ([slot[parent]] if parent >= 0 else [])
+                visible[r, anc[node]] = True
+                slot[node] = used + r
+                visible[r, used + r] = True
+            logits = model.run(self._ids([grow.tokens[i] for i in frontier]), self._pos([root_pos + d] * m),
+                               torch.from_numpy(visible).to(self.device))
+            level = grow.add_children(frontier, torch.log_softmax(logits.float(), -1))
+        return grow.result(min(self.max_nodes, budget))

@@ -1,0 +1,159 @@
+"""Self-drafters (``swift``, ``quant_self``, ``kv_draft``): lossless greedy output for chains, trees and
+sized trees on tiny Llama and Gemma-3 past its window, alone and batched; sampled output with the
+target's distribution; the quantized linear layers; the layer-set search; clear refusals."""
+
+import random
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, batched_join_midway, tiny_gemma3, tiny_llama
+from test_sampling import VOCAB, chi2_pvalue, exact_joint, sample_pairs
+
+from speculum.drafters import DRAFTERS
+from speculum.engine import Engine
+from speculum.errors import SpeculumError
+from speculum.kv import make_policy
+from speculum.methods import build_method
+from speculum.runners import NativeRunner
+from speculum.runners.decoder import Linear
+from speculum.runners.quantized import QuantLinear, linear_weight
+from speculum.tree_sizing import CostModel
+
+# (drafter, options): every self-drafter and its variants; kv_draft's window is far shorter than the sequences
+KINDS = {
+    "swift": ("swift", {"min_context": 4, "search_rows": 12, "search_trials": 8}),
+    "swift_fixed": ("swift", {"skip": [1]}),
+    "quant_self_int4": ("quant_self", {"bits": 4}),
+    "quant_self_int8": ("quant_self", {"bits": 8}),
+    "kv_draft": ("kv_draft", {"sink": 2, "window": 6}),
+    "kv_draft_int4": ("kv_draft", {"sink": 1, "window": 9, "bits": 4}),
+}
+
+
+def prompts(seed: int, n: int = 4) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(TINY_VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(n)]
+
+
+def make_llama():
+    return tiny_llama(layers=4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("make", [make_llama, tiny_gemma3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("shape", [{"top_k": 1}, {"top_k": 4, "max_nodes": 16},
+                                   {"top_k": 8, "max_nodes": 40, "sized": True}],
+                         ids=["chain", "tree", "sized_tree"])
+def test_greedy_self_drafts_equal_ar(kind, make, shape):
+    model = make()
+    name, options = KINDS[kind]
+    ar = build_method("ar", model, None)
+    shape = dict(shape)
+    sized = shape.pop("sized", False)
+    cost = CostModel([1, 16, 64], [64], [[0.01, 0.012, 0.03]]) if sized else None
+    method = build_method(name, model, None, sized=sized, cost_model=cost, exit_confidence=0.0, **shape, **options)
+    drafted = accepted = 0
+    for p in prompts(1):
+        assert method.run(p, 48).tokens == ar.run(p, 48).tokens
+        steps = method.run(p, 48).steps
+        drafted += sum(s.drafted for s in steps)
+        accepted += sum(s.accepted for s in steps)
+    assert drafted > 0 and accepted > 0
+
+
+def test_quantized_drafts_are_mostly_accepted():
+    """An int8 copy of the target agrees with it far more often than chance (the point of quant_self)."""
+    model = make_llama()
+    method = build_method("quant_self", model, None, bits=8, exit_confidence=0.0, sized=False)
+    drafted = accepted = 0
+    for p in prompts(5):
+        steps = method.run(p, 40).steps
+        drafted += sum(s.drafted for s in steps)
+        accepted += sum(s.accepted for s in steps)
+    assert accepted / drafted > 0.6
+
+
+@pytest.mark.parametrize("kind", ["swift", "quant_self_int4", "kv_draft"])
+def test_batched_self_drafts_equal_solo(kind):
+    """Several requests in one forward per step, joining mid-way, each drafting over its own pool slot."""
+    model = make_llama()
+    name, options = KINDS[kind]
+    runner = NativeRunner(model)
+    drafter = DRAFTERS[name].factory(target=model, draft_head=None, top_k=3, max_nodes=8, **options)
+    engine = Engine(runner, drafter, eos_token_ids=[])
+    ar = build_method("ar", model, None, runner=runner)
+    ps = prompts(2, n=5)
+    assert batched_join_midway(runner, engine, ps) == [ar.run(p, 40).tokens for p in ps]
+
+
+@pytest.mark.parametrize("kind", ["swift_fixed", "quant_self_int4", "kv_draft"])
+def test_sampled_self_drafts_keep_the_target_distribution(kind):
+    model = tiny_llama(seed=3, vocab=VOCAB, logit_scale=8.0, layers=3)
+    name, options = KINDS[kind]
+    options = {**options, "window": 1, "sink": 1} if name == "kv_draft" else options
+    drafter = DRAFTERS[name].factory(target=model, draft_head=None, exit_confidence=0.0, **options)
+    engine = Engine(NativeRunner(model), drafter, eos_token_ids=[])
+    n = 6000
+    p = chi2_pvalue(sample_pairs(engine, n, seed0=100), exact_joint(model), n)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_linear_matches_its_dequantized_weights(bits, dtype):
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
+    q = QuantLinear(w, b, bits)
+    assert q.kernel is not None  # the CPU kernels run
+    x = torch.randn(5, 64, dtype=dtype)
+    ref = QuantLinear(w, b, bits)
+    ref.kernel = None
+    ref.dequantized = _dequantized(w, bits).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    torch.testing.assert_close(q(x).float(), ref(x).float(), atol=tol * 8, rtol=tol)
+    assert (q(x).float() - x.float() @ w.float().t() - b.float()).abs().mean() < (0.3 if bits == 4 else 0.05) * 8
+
+
+def _dequantized(w: torch.Tensor, bits: int) -> torch.Tensor:
+    w = w.float()
+    if bits == 8:
+        s = w.abs().amax(1, keepdim=True) / 127
+        return torch.round(w / s).clamp(-127, 127) * s
+    g = w.view(w.shape[0], -1, 32)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    s = (hi - lo) / 15
+    return (torch.round((g - lo) / s).clamp(0, 15) * s + lo).view_as(w)
+
+
+def test_linear_weight_reads_back_a_packed_weight():
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 32, dtype=torch.bfloat16), torch.randn(48, dtype=torch.bfloat16)
+    assert torch.equal(linear_weight(Linear(w.clone())), w)
+    torch.testing.assert_close(linear_weight(Linear(w.clone(), b)), w, atol=0.05, rtol=0)
+
+
+def test_swift_searches_a_layer_set_once_and_shares_it():
+    model = tiny_llama(layers=6)
+    drafter = DRAFTERS["swift"].factory(target=model, draft_head=None, min_context=8, search_rows=16,
+                                        search_trials=12)
+    engine = Engine(NativeRunner(model), drafter, eos_token_ids=[])
+    engine.generate(prompts(3, 1)[0] + list(range(20)), 8)
+    found = dict(drafter.found)
+    assert set(found) == {"skip", "match", "cost", "worth"}
+    assert found["skip"] and all(0 < i < 5 for i in found["skip"])  # first and last layers kept
+    assert 0 < found["cost"] < 1 and 0.0 <= found["match"] <= 1.0
+    twin = drafter.fork()
+    Engine(NativeRunner(model), twin, eos_token_ids=[]).generate(list(range(30)), 8)
+    assert twin.found is drafter.found and drafter.found["skip"] == found["skip"]
+    assert drafter.worth(0.9, 0.5) > drafter.worth(0.5, 0.5) > drafter.worth(0.5, 0.9)
+
+
+def test_self_drafts_refuse_what_they_cannot_run():
+    model = make_llama()
+    with pytest.raises(SpeculumError, match="skips layers among"):
+        build_method("swift", model, None, skip=[7])
+    with pytest.raises(SpeculumError, match="kv-draft policy"):
+        build_method("kv_draft", model, None, policy="snapkv")
+    method = build_method("quant_self", model, None, kv_policy=make_policy("streaming", "16"))
+    with pytest.raises(SpeculumError, match="plain cache"):
+        method.run(list(range(20)), 8)
