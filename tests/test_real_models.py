@@ -111,6 +111,33 @@ def test_gemma3_float32_lossless(gemma3_f32):
     _check_methods(model, tok, chat=False, cross_check=False, learned=("eagle",), prompts=PROMPTS[4:])
 
 
+# the self-drafters; kv_draft's window is shorter than the prompts, so its view really leaves entries out
+SELF_DRAFTS = {"swift": {}, "quant_self": {}, "kv_draft": {"window": 48}, "kv_draft_bf16": {"window": 48, "bits": 16},
+               "swift_quick": {"search_trials": 12}}  # a shorter layer search (Gemma's float32 forwards are dear)
+
+
+def _check_self_drafts(model, tok, prompts, chat, names=("swift", "quant_self", "kv_draft", "kv_draft_bf16")):
+    runner = runner_for(model)
+    for ids in (encode_prompt(tok, p, chat) for p in prompts):
+        ref = build_method("ar", model, tok, runner=runner).run(ids, NEW).tokens
+        for name in names:
+            options = SELF_DRAFTS[name]
+            method = build_method(name.removesuffix("_bf16").removesuffix("_quick"), model, tok, runner=runner, cost_model=FLAT_COST, **options)
+            out = method.run(ids, NEW)
+            assert out.tokens == ref, name
+            assert out.mean_accepted > 1.0, name
+
+
+def test_smollm2_self_drafts_lossless(smollm2_f32):
+    model, tok = smollm2_f32
+    _check_self_drafts(model, tok, [PROMPTS[0], PROMPTS[4]], chat=True)
+
+
+def test_gemma3_self_drafts_lossless_past_window(gemma3_f32):
+    model, tok = gemma3_f32
+    _check_self_drafts(model, tok, [PROMPTS[-1] * 3], chat=False, names=("swift_quick", "quant_self", "kv_draft"))
+
+
 def test_hf_assisted_drafts_across_tokenizers(smollm2_f32, gemma3_f32):
     """transformers' universal assisted decoding: Gemma-3 (another tokenizer) drafts for SmolLM2
     through ``hf_assisted``, and the greedy output equals plain ``hf``'s."""

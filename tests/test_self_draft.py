@@ -25,7 +25,7 @@ KINDS = {
     "swift_fixed": ("swift", {"skip": [1]}),
     "quant_self_int4": ("quant_self", {"bits": 4}),
     "quant_self_int8": ("quant_self", {"bits": 8}),
-    "kv_draft": ("kv_draft", {"sink": 2, "window": 6}),
+    "kv_draft": ("kv_draft", {"sink": 2, "window": 6, "bits": 16}),
     "kv_draft_int4": ("kv_draft", {"sink": 1, "window": 9, "bits": 4}),
 }
 

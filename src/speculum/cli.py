@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "tidal, quest; options as name:key=value,... (see `speculum longctx --help`)")
     kvg.add_argument("--kv-budget", default="0.25",
                      help="KV budget: a token count (1024) or a ratio of the prompt (0.25; default)")
+    kvg.add_argument("--kv-draft", default=None, metavar="SPEC",
+                     help="lossless long context: keep the full cache to verify, and draft with the same model "
+                          "reading a compressed view of it: streaming[:sink=4,window=512,bits=4|8|16,depth=6,top_k=1] "
+                          "(bits: an int4 (default) or int8 weight copy drafts, 16 the target's own weights). Runs "
+                          "the kv_draft method in place of --method")
     _add_model_args(g)
 
     b = sub.add_parser("bench", help="benchmark methods on Spec-Bench-format prompts",
@@ -198,6 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--policies", default="full,streaming,h2o,snapkv,kv_quant,tidal,quest",
                     help="comma-separated policies (default: %(default)s)")
     lc.add_argument("--budget", default="0.25", help="comma-separated budgets (default: %(default)s)")
+    lc.add_argument("--kv-draft", default="", metavar="SPEC[;SPEC...]",
+                    help="lossless rows: the full cache verifies what the same model drafts reading a compressed "
+                         "view of it; semicolon-separated specs, e.g. 'streaming:window=256,bits=4' (options "
+                         "sink=4, window=512, bits=4|8|16: an int4 (default) or int8 weight copy drafts, or the target's own "
+                         "weights; depth=6, top_k=1). The '= full "
+                         "%%' column counts outputs identical to the full cache's (default: none)")
+    lc.add_argument("--reproducible", action="store_true",
+                    help="run full and the --kv-draft rows in the reproducible mode (chains verified with numerics "
+                         "independent of a step's size), so that bfloat16 outputs compare token for token; "
+                         "slower verification (native runner only)")
     lc.add_argument("--tasks", default="niah_single,niah_multikey,passkey",
                     help="comma-separated from niah_single, niah_multikey, niah_multivalue, niah_multiquery, "
                          "passkey, variable_tracking, common_words (default: %(default)s)")
@@ -380,8 +395,16 @@ def cmd_generate(args) -> int:
     if args.close_reserve < 0 or (args.close_reserve and spec is None):
         raise SpeculumError("--close-reserve takes a token count >= 0, with a constraint (--json-schema, ...)")
     policy = make_policy(args.kv_policy, args.kv_budget)
+    options = {"draft_head": args.draft_head}
+    if args.kv_draft is not None:
+        from .drafters.kv_draft import kv_draft_options
+
+        if policy is not None:
+            raise SpeculumError("--kv-draft keeps the full cache to verify against: it takes no --kv-policy")
+        options = kv_draft_options(args.kv_draft)
+        args.method = "kv_draft"
     model, tok, draft, draft_tok = _load(args, [args.method], args.prompt)
-    method = build_method(args.method, model, tok, draft, draft_tok, kv_policy=policy, draft_head=args.draft_head)
+    method = build_method(args.method, model, tok, draft, draft_tok, kv_policy=policy, **options)
     grammar = method.compile(spec, args.close_reserve) if spec is not None else None
     ids = encode_prompt(tok, args.prompt, args.chat)
     text = StreamingText(tok, args.stop)
@@ -561,16 +584,21 @@ def cmd_longctx(args) -> int:
     import torch
 
     from .bench.longctx import ONEDNN_CACHE, Suite, markdown, run_longctx, write_outputs
+    from .drafters.kv_draft import kv_draft_options
     from .models import dtype_name, load
     from .runners import release_if_native
 
     suite = Suite.parse(args.lengths, args.tasks, args.policies, args.budget, args.samples, args.values)
+    kv_drafts = tuple(x.strip() for x in args.kv_draft.split(";") if x.strip())
+    for spec in kv_drafts:
+        kv_draft_options(spec)  # a bad spec fails before the model loads
     # read when oneDNN compiles its first kernel, so before the model loads; a value set by the user is kept
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE))
     model, tok = load(args.model, args.dtype, args.device)
     release_if_native(model)  # the suite runs nothing else
     records = run_longctx(model, tok, suite.lengths, suite.tasks, suite.policies, suite.budgets, suite.samples,
-                          args.protocol, args.chat, values=tuple(suite.values))
+                          args.protocol, args.chat, values=tuple(suite.values), kv_drafts=kv_drafts,
+                          reproducible=args.reproducible)
     meta = {"command": "speculum " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "model": args.model,
             "values": suite.values, "dtype": dtype_name(next(model.parameters()).dtype), "protocol": args.protocol,
             "threads": torch.get_num_threads(),

@@ -27,6 +27,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..drafters.ar import AutoregressiveDrafter
+from ..drafters.kv_draft import KVDraftDrafter, kv_draft_options
 from ..engine import Engine
 from ..errors import SpeculumError
 from ..kv import Budget, make_policy
@@ -154,8 +155,14 @@ def encode_task(tokenizer, t: LongTask, chat: bool | None = None) -> tuple[list[
 
 def run_longctx(model, tokenizer, lengths: list[int], tasks: list[str], policies: list[str],
                 budgets: list[str], samples: int = 2, protocol: str = "aware", chat: bool | None = None,
-                progress: bool = True, values: tuple[str, ...] = ("number",)) -> list[LongRecord]:
-    """Run the suite; returns one record per (sample, policy, budget). ``values``: needle value kinds."""
+                progress: bool = True, values: tuple[str, ...] = ("number",),
+                kv_drafts: tuple[str, ...] = (), reproducible: bool = False) -> list[LongRecord]:
+    """Run the suite; returns one record per (sample, policy, budget). ``values``: needle value kinds.
+    ``kv_drafts``: lossless rows, the full cache verifying drafts from a compressed view
+    (:mod:`speculum.drafters.kv_draft`; ``"streaming:window=256,bits=4"``), each named ``kv_draft:SPEC``.
+    ``reproducible``: ``full`` and the kv-draft rows run in the reproducible mode (chains verified with
+    numerics that do not depend on a step's row count, :meth:`NativeRunner.invariant`), so that their
+    bfloat16 outputs can be compared token for token; the lossy policies run as usual."""
     if protocol not in PROTOCOLS:
         raise SpeculumError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
     runner = runner_for(model)
@@ -167,10 +174,18 @@ def run_longctx(model, tokenizer, lengths: list[int], tasks: list[str], policies
             configs.append((spec, "-"))
         else:
             configs += [(spec, b) for b in budgets]
+    if reproducible and not hasattr(runner, "invariant"):
+        raise SpeculumError("the reproducible mode needs the native runner")
+    exact = runner.invariant() if reproducible else runner
     engines = {}
     for spec, budget in configs:
         policy = make_policy(spec, budget if budget != "-" else "1.0")
-        engines[spec, budget] = Engine(runner, AutoregressiveDrafter(), tokenizer, kv_policy=policy)
+        engines[spec, budget] = (Engine(exact, AutoregressiveDrafter(), tokenizer, chains_only=reproducible)
+                                 if policy is None else Engine(runner, AutoregressiveDrafter(), tokenizer, kv_policy=policy))
+    for spec in kv_drafts:
+        configs.append((f"kv_draft:{spec}", "-"))
+        engines[configs[-1]] = Engine(exact, KVDraftDrafter(model, **kv_draft_options(spec)), tokenizer,
+                                      chains_only=reproducible)
 
     def count(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -210,6 +225,7 @@ def summarize(records: list[LongRecord]) -> list[dict]:
     """Rows of the issue's table: mean over samples per (policy, budget, length, task), plus an
     ``all`` task row per (policy, budget, length)."""
     groups: dict[tuple, list[LongRecord]] = defaultdict(list)
+    full_out = {(r.length, r.task, r.seed, r.value_kind): r.output for r in records if r.policy == "full"}
     for r in records:
         groups[r.policy, r.budget, r.length, r.task].append(r)
         groups[r.policy, r.budget, r.length, "all"].append(r)
@@ -227,6 +243,10 @@ def summarize(records: list[LongRecord]) -> list[dict]:
             "decode_tok_s": round(statistics.mean(r.decode_tok_s for r in rs), 2),
             "prefill_s": round(statistics.mean(r.prefill_s for r in rs), 2),
             "time_s": round(statistics.mean(r.time_s for r in rs), 2),
+            # outputs identical to the full cache's, in % (None without a full run)
+            "same_as_full": (round(100 * statistics.mean(
+                r.output == full_out[r.length, r.task, r.seed, r.value_kind] for r in rs), 1)
+                if all((r.length, r.task, r.seed, r.value_kind) in full_out for r in rs) else None),
         })
     return rows
 
@@ -241,8 +261,8 @@ def markdown(rows: list[dict]) -> str:
         full = next((r for r in here if r["policy"] == "full" and r["task"] == "all"), None)
         out.append(f"### {length} tokens\n")
         out.append("| policy | budget | " + " | ".join(tasks) + " | all | KV MiB | KV vs full | peak RSS MiB | "
-                   "peak rise MiB | decode tok/s | vs full | prefill s |")
-        out.append("|---|---|" + "---:|" * (len(tasks) + 8))
+                   "peak rise MiB | decode tok/s | vs full | prefill s | = full % |")
+        out.append("|---|---|" + "---:|" * (len(tasks) + 9))
         for r in [r for r in here if r["task"] == "all"]:
             acc = {x["task"]: x["accuracy"] for x in here if (x["policy"], x["budget"]) == (r["policy"], r["budget"])}
             kv_ratio = f"{r['kv_bytes'] / full['kv_bytes']:.0%}" if full and full["kv_bytes"] else "-"
@@ -251,7 +271,8 @@ def markdown(rows: list[dict]) -> str:
             rise = f"{r['peak_rss_rise_bytes'] / 2**20:.0f}" if r.get("peak_rss_rise_bytes") is not None else "-"
             out.append(f"| {r['policy']} | {r['budget']} | " + " | ".join(f"{acc.get(t, float('nan')):.0f}" for t in tasks)
                        + f" | {r['accuracy']:.1f} | {r['kv_bytes'] / 2**20:.1f} | {kv_ratio} | {rss} | {rise} | "
-                       f"{r['decode_tok_s']:.1f} | {speed} | {r['prefill_s']:.1f} |")
+                       f"{r['decode_tok_s']:.1f} | {speed} | {r['prefill_s']:.1f} | "
+                       f"{'-' if r.get('same_as_full') is None else format(r['same_as_full'], '.0f')} |")
         out.append("")
     return "\n".join(out)
 

@@ -104,8 +104,8 @@ DRAFTERS: dict[str, DrafterEntry] = {
                           "on the fly (SWIFT)", scored=True, needs_target=True),
     "quant_self": DrafterEntry(QuantSelfDrafter, "an int4 weight-only copy of the target drafts chains over the "
                                "target's cache (QSpec-style)", scored=True, needs_target=True),
-    "kv_draft": DrafterEntry(KVDraftDrafter, "lossless long context: the target drafts reading only attention "
-                             "sinks and a recent window of its cache (TriForce-style)", scored=True, needs_target=True),
+    "kv_draft": DrafterEntry(KVDraftDrafter, "lossless long context: an int4 copy of the target drafts reading "
+                             "only attention sinks and a recent window of the cache (TriForce-style)", scored=True, needs_target=True),
 }
 
 __all__ = [

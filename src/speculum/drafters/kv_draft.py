@@ -4,8 +4,9 @@
 The full KV cache is kept and verifies every token; the draft is the same model reading only part
 of it: StreamingLLM's first ``sink`` and last ``window`` entries (Xiao et al. 2024). With a long
 prompt, a draft step then reads ``sink + window`` entries instead of the whole context, while the
-output is exactly full-cache decoding's. ``bits`` (4 or 8) also quantizes the draft's weights
-(:mod:`speculum.drafters.quant_self`), cheaper still. Drafting is
+output is exactly full-cache decoding's. The draft's weights are also quantized, ``bits`` 4 (the
+default) or 8 (:mod:`speculum.drafters.quant_self`), cheaper still; ``bits=16`` drafts with the
+target's own weights. Drafting is
 :class:`~speculum.drafters.self_draft.SelfDrafter`'s: a chain with a confidence stop, or a dynamic
 tree with ``top_k > 1``.
 """
@@ -15,24 +16,45 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpeculumError
+from ..options import parse_named
 from ..runners.quantized import quantized_head, quantized_layers
 from ..runners.self_draft import DraftView, SelfDraft
 from .self_draft import SelfDrafter
 
 KV_DRAFT_POLICIES = ("streaming",)
+KV_DRAFT_OPTIONS = ("sink", "window", "bits", "depth", "top_k")  # the integer options a spec may set
+
+
+def kv_draft_options(spec: str) -> dict:
+    """``"streaming:window=256,bits=4"`` -> the drafter's options ``{"policy": "streaming", "window": 256,
+    "bits": 4}`` (raises :class:`SpeculumError` on an unknown policy or option)."""
+    name, raw = parse_named(spec, "kv-draft")
+    if name not in KV_DRAFT_POLICIES:
+        raise SpeculumError(f"unknown kv-draft policy {name!r}; choose from {', '.join(KV_DRAFT_POLICIES)}")
+    options: dict = {"policy": name}
+    for key, value in raw.items():
+        if key not in KV_DRAFT_OPTIONS:
+            raise SpeculumError(f"unknown kv-draft option {key!r}; choose from {', '.join(KV_DRAFT_OPTIONS)}")
+        try:
+            options[key] = int(value)
+        except ValueError:
+            raise SpeculumError(f"kv-draft option {key} takes an integer, not {value!r}") from None
+    if options.get("bits", 4) not in (4, 8, 16):
+        raise SpeculumError("kv-draft option bits is 4 or 8 (a quantized weight copy drafts) or 16 (the target's own)")
+    return options
 
 
 class KVDraftDrafter(SelfDrafter):
     name = "kv_draft"
 
     def __init__(self, target: torch.nn.Module, policy: str = "streaming", sink: int = 4, window: int = 512,
-                 bits: int | None = None, depth: int = 6, exit_confidence: float = 0.3, **options):
+                 bits: int = 4, depth: int = 6, exit_confidence: float = 0.5, **options):
         if policy not in KV_DRAFT_POLICIES:
             raise SpeculumError(f"unknown kv-draft policy {policy!r}; choose from {', '.join(KV_DRAFT_POLICIES)}")
         if sink < 0 or window < 1:
             raise SpeculumError(f"a kv-draft view needs sink >= 0 and window >= 1 (got {sink}, {window})")
         super().__init__(target, depth=depth, exit_confidence=exit_confidence, **options)
         weights = head = None
-        if bits is not None:
+        if bits != 16:
             weights, head = quantized_layers(self.decoder, bits), quantized_head(self.decoder, bits)
         self.model = SelfDraft(self.decoder, weights=weights, head=head, view=DraftView(sink, window))
