@@ -27,6 +27,7 @@ KINDS = {
     "quant_self_int8": ("quant_self", {"bits": 8}),
     "kv_draft": ("kv_draft", {"sink": 2, "window": 6, "bits": 16}),
     "kv_draft_int4": ("kv_draft", {"sink": 1, "window": 9, "bits": 4}),
+    "kv_draft_snapkv": ("kv_draft", {"policy": "snapkv", "sink": 1, "window": 4, "selected": 3, "observe": 4}),
 }
 
 
@@ -73,7 +74,7 @@ def test_quantized_drafts_are_mostly_accepted():
     assert accepted / drafted > 0.6
 
 
-@pytest.mark.parametrize("kind", ["swift", "quant_self_int4", "kv_draft"])
+@pytest.mark.parametrize("kind", ["swift", "quant_self_int4", "kv_draft", "kv_draft_snapkv"])
 def test_batched_self_drafts_equal_solo(kind):
     """Several requests in one forward per step, joining mid-way, each drafting over its own pool slot."""
     model = make_llama()
@@ -153,7 +154,22 @@ def test_self_drafts_refuse_what_they_cannot_run():
     with pytest.raises(SpeculumError, match="skips layers among"):
         build_method("swift", model, None, skip=[7])
     with pytest.raises(SpeculumError, match="kv-draft policy"):
-        build_method("kv_draft", model, None, policy="snapkv")
+        build_method("kv_draft", model, None, policy="quest")
     method = build_method("quant_self", model, None, kv_policy=make_policy("streaming", "16"))
     with pytest.raises(SpeculumError, match="plain cache"):
         method.run(list(range(20)), 8)
+
+
+@pytest.mark.parametrize("make", [make_llama, tiny_gemma3], ids=["llama", "gemma3"])
+def test_snapkv_view_picks_entries_on_full_attention_layers(make):
+    model = make()
+    drafter = DRAFTERS["kv_draft"].factory(target=model, policy="snapkv", sink=1, window=4, selected=3, observe=4,
+                                           bits=16)
+    engine = Engine(NativeRunner(model), drafter, eos_token_ids=[])
+    prompt = prompts(4, 1)[0] + list(range(20))
+    assert engine.generate(prompt, 24).tokens == build_method("ar", model, None).run(prompt, 24).tokens
+    picked = drafter.model.picked
+    full_layers = [i for i, layer in enumerate(drafter.decoder.layers) if not layer.sliding]
+    assert sorted(picked) == full_layers
+    s = drafter.decoder.shape
+    assert all(k.shape == v.shape == (s.kv_heads, 3, s.head_dim) for k, v in picked.values())

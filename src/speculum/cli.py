@@ -102,9 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV budget: a token count (1024) or a ratio of the prompt (0.25; default)")
     kvg.add_argument("--kv-draft", default=None, metavar="SPEC",
                      help="lossless long context: keep the full cache to verify, and draft with the same model "
-                          "reading a compressed view of it: streaming[:sink=4,window=512,bits=4|8|16,depth=6,top_k=1] "
-                          "(bits: an int4 (default) or int8 weight copy drafts, 16 the target's own weights). Runs "
-                          "the kv_draft method in place of --method")
+                          "reading a compressed view of it: streaming (attention sinks + recent window) or snapkv (also the "
+                          "entries the prompt's end attends to most), with options sink=4, window=512 (snapkv 256), "
+                          "selected=512, observe=32, bits=4|8|16 (an int4 (default) or int8 weight copy drafts, 16 the "
+                          "target's own weights), depth=6, top_k=1; e.g. snapkv:bits=8. Runs the kv_draft method in "
+                          "place of --method")
     _add_model_args(g)
 
     b = sub.add_parser("bench", help="benchmark methods on Spec-Bench-format prompts",
@@ -205,9 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--budget", default="0.25", help="comma-separated budgets (default: %(default)s)")
     lc.add_argument("--kv-draft", default="", metavar="SPEC[;SPEC...]",
                     help="lossless rows: the full cache verifies what the same model drafts reading a compressed "
-                         "view of it; semicolon-separated specs, e.g. 'streaming:window=256,bits=4' (options "
-                         "sink=4, window=512, bits=4|8|16: an int4 (default) or int8 weight copy drafts, or the target's own "
-                         "weights; depth=6, top_k=1). The '= full "
+                         "view of it; semicolon-separated specs, e.g. 'streaming;snapkv:selected=1024' (see generate --help "
+                         "for the options). The '= full "
                          "%%' column counts outputs identical to the full cache's (default: none)")
     lc.add_argument("--reproducible", action="store_true",
                     help="run full and the --kv-draft rows in the reproducible mode (chains verified with numerics "

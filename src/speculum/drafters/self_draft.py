@@ -51,8 +51,7 @@ class SelfDrafter(Drafter):
 
     def __init__(self, target: torch.nn.Module, top_k: int = 1, depth: int = 6, max_nodes: int = 24,
                  exit_confidence: float = 0.5, min_path_prob: float = 0.02, draft_head=None):
-        if draft_head is not None:
-            raise SpeculumError(f"{self.name} drafts with the target's own weights: it takes no draft head")
+        # draft_head: the learned drafters' head files, passed to every method that reads the target; unused here
         self.decoder = native_decoder(target, self.name)
         self.device = self.decoder.device
         self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
@@ -67,6 +66,7 @@ class SelfDrafter(Drafter):
     def see_cache(self, cache) -> None:
         check_plain_cache(cache, self.decoder, self.name)
         self.target_cache = cache
+        self.model.reset()
 
     def model_for(self, tokens: list[int]) -> SelfDraft:
         """The draft model of this step (``swift`` searches its layers first)."""
@@ -79,7 +79,7 @@ class SelfDrafter(Drafter):
             return DraftTree()
         model = self.model_for(tokens)
         depth = min(self.depth, budget)
-        model.begin(cache, 1 + depth * max(self.top_k, 1))
+        model.begin(cache, 1 + depth * max(self.top_k, 1), tokens)
         root_pos = len(tokens) - 1
         yes = torch.ones(1, 1, dtype=torch.bool, device=self.device)
         logits = model.run(self._ids(tokens[-1:]), self._pos([root_pos]), yes)[0]  # [V]

@@ -39,10 +39,16 @@ from .decoder import Layer, NativeDecoder
 @dataclass(frozen=True)
 class DraftView:
     """Which committed entries a draft reads: all (``window=None``), or the first ``sink`` and the
-    last ``window`` (StreamingLLM's attention sinks and recent window)."""
+    last ``window`` (StreamingLLM's attention sinks and recent window), and on full-attention layers
+    also ``selected`` entries per KV head from between them, those the prompt's last ``observe``
+    tokens attend to most (SnapKV's selection, scores max-pooled over ``kernel`` neighbours), picked
+    once per request at its first draft step."""
 
     sink: int = 4
     window: int | None = None
+    selected: int = 0
+    observe: int = 32
+    kernel: int = 7
 
     def spans(self, length: int) -> list[tuple[int, int]]:
         """Committed slot ranges ``[(lo, hi)]`` read with ``length`` committed entries."""
@@ -80,13 +86,67 @@ class SelfDraft:
         self.view = view
         self.cache: KVCache | None = None
         self.used = 0
+        self._on_attend = None  # a hook on each layer's queries (the selection's scoring)
+        self.reset()
 
-    def begin(self, cache: KVCache, rows: int) -> None:
+    def reset(self) -> None:
+        """A new request: forget the last one's selection."""
+        self.picked: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> k, v [H_kv, B, d]
+        self.recent = 0  # with a selection: committed slots from here on are all read
+
+    def begin(self, cache: KVCache, rows: int, tokens: list[int] | None = None) -> None:
         """Start a draft step on the target's ``cache`` (committed entries only), with room for
-        ``rows`` draft entries in all."""
-        cache.reserve(cache.length + rows)  # before any write: a growth keeps only committed entries
+        ``rows`` draft entries in all; ``tokens`` (the committed ones, then the root) let a selecting
+        view pick its entries at the request's first step."""
+        cache.reserve(cache.length + rows + self.view.observe)  # before any write: a growth keeps only committed entries
         self.cache, self.used = cache, 0
         self.pending_pos = torch.empty(0, dtype=torch.int64, device=self.decoder.device)
+        v = self.view
+        if getattr(self, "picked", None) is None and v.selected and v.window is not None and tokens is not None \
+                and cache.length > v.sink + v.window + v.selected + v.observe:
+            self._select(tokens)
+            self.used = 0
+            self.pending_pos = self.pending_pos[:0]
+
+    @torch.inference_mode()
+    def _select(self, tokens: list[int]) -> None:
+        """SnapKV's selection for the draft: run the last ``observe`` committed tokens (reading every
+        committed entry before them), score each full-attention layer's entries by the attention they
+        receive (summed over rows and the query heads of a KV head, max-pooled), keep the top
+        ``selected`` per KV head among slots ``sink .. length - window``."""
+        dec, s, v, cache = self.decoder, self.decoder.shape, self.view, self.cache
+        length, obs = cache.length, v.observe
+        start, lo, hi = length - obs, v.sink, length - v.window
+        ids = torch.tensor(tokens[start:length], device=dec.device)
+        positions = torch.arange(start, length, device=dec.device)
+        causal = torch.ones(obs, obs, dtype=torch.bool, device=dec.device).tril()
+        full, self.view = self.view, DraftView()  # the observation rows read everything
+        scores: dict[int, torch.Tensor] = {}
+        self._on_attend = lambda i, layer, q: scores.__setitem__(i, self._scores(i, q, start)) \
+            if not layer.sliding else None
+        try:
+            self.run(ids, positions, causal, committed=start)
+        finally:
+            self.view, self._on_attend = full, None
+        kv = cache.kv
+        self.picked = {}
+        for i, sc in scores.items():
+            pooled = torch.nn.functional.max_pool1d(sc[:, None, lo:hi], v.kernel, 1, v.kernel // 2)[:, 0]
+            top = pooled.topk(min(v.selected, hi - lo), dim=-1).indices.sort(-1).values + lo  # [H_kv, B]
+            idx = top[..., None].expand(-1, -1, s.head_dim)
+            self.picked[i] = (kv[i, 0].gather(1, idx), kv[i, 1].gather(1, idx))
+        self.recent = hi
+
+    def _scores(self, i: int, q: torch.Tensor, start: int) -> torch.Tensor:
+        """Attention probabilities of rows ``q [n, H, d]`` over committed slots ``0 .. start - 1`` of
+        layer ``i``, summed over rows and each KV head's query heads: ``[H_kv, start]``."""
+        s = self.decoder.shape
+        k = self.cache.kv[i, 0, :, :start]  # [H_kv, start, d]
+        qg = q.view(q.shape[0], s.kv_heads, s.group, s.head_dim).permute(1, 0, 2, 3).reshape(s.kv_heads, -1, s.head_dim)
+        logits = torch.matmul(qg, k.transpose(-1, -2)).float() * s.attn_scale
+        if s.attn_softcap is not None:
+            logits = torch.tanh(logits / s.attn_softcap) * s.attn_softcap
+        return logits.softmax(-1).sum(1)
 
     @torch.inference_mode()
     def run(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
@@ -109,15 +169,28 @@ class SelfDraft:
         if s.sliding_window is not None:
             masks[True] = grouped(mask & in_window(key_pos, positions, s.sliding_window), s.group, dec.dtype)
         contiguous = len(spans) == 1 and spans[0][1] == cache.length
+        picked = getattr(self, "picked", None) if committed is None else None
+        if picked:  # full-attention layers: sinks, the selection, everything committed since it
+            some = next(iter(picked.values()))[0].shape[1]
+            seen_sel = self.view.sink + some + cache.length - self.recent
+            masks[False] = grouped(torch.cat([torch.ones(n, seen_sel, dtype=torch.bool, device=dec.device), visible],
+                                             dim=1), s.group, dec.dtype)
 
         def keys(t: torch.Tensor) -> torch.Tensor:  # [H_kv, C, d] -> [H_kv, seen + p + n, d]
             if contiguous:
                 return t[:, spans[0][0]:at + n]
             return torch.cat([t[:, lo:hi] for lo, hi in spans] + [t[:, cache.length:at + n]], dim=1)
 
+        def selected(t: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:  # + the selection [H_kv, B, d]
+            return torch.cat([t[:, :self.view.sink], chosen, t[:, self.recent:at + n]], dim=1)
+
         def attend(i: int, layer: Layer, q, k, v):
             kv[i, 0, :, at:at + n] = k.transpose(0, 1)
             kv[i, 1, :, at:at + n] = v.transpose(0, 1)
+            if self._on_attend is not None:
+                self._on_attend(i, layer, q)
+            if picked and not layer.sliding:
+                return dec.attend(q, selected(kv[i, 0], picked[i][0]), selected(kv[i, 1], picked[i][1]), masks[False])
             return dec.attend(q, keys(kv[i, 0]), keys(kv[i, 1]), masks[layer.sliding])
 
         h = dec.embed_ids(ids)
