@@ -40,16 +40,20 @@ def make_llama():
     return tiny_llama(layers=4)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+SHAPES = {"chain": {"top_k": 1}, "tree": {"top_k": 4, "max_nodes": 16},
+          "sized_tree": {"top_k": 8, "max_nodes": 40, "sized": True}}
+# every kind as a chain; trees once per code path (the view, the weights and the layers differ, not the tree)
+CASES = [(k, "chain") for k in KINDS] + [(k, t) for k in ("swift", "quant_self_int4", "kv_draft_snapkv")
+                                         for t in ("tree", "sized_tree")]
+
+
+@pytest.mark.parametrize("kind,shape", CASES)
 @pytest.mark.parametrize("make", [make_llama, tiny_gemma3], ids=["llama", "gemma3"])
-@pytest.mark.parametrize("shape", [{"top_k": 1}, {"top_k": 4, "max_nodes": 16},
-                                   {"top_k": 8, "max_nodes": 40, "sized": True}],
-                         ids=["chain", "tree", "sized_tree"])
 def test_greedy_self_drafts_equal_ar(kind, make, shape):
     model = make()
     name, options = KINDS[kind]
     ar = build_method("ar", model, None)
-    shape = dict(shape)
+    shape = dict(SHAPES[shape])
     sized = shape.pop("sized", False)
     cost = CostModel([1, 16, 64], [64], [[0.01, 0.012, 0.03]]) if sized else None
     method = build_method(name, model, None, sized=sized, cost_model=cost, exit_confidence=0.0, **shape, **options)
@@ -87,7 +91,7 @@ def test_batched_self_drafts_equal_solo(kind):
     assert batched_join_midway(runner, engine, ps) == [ar.run(p, 40).tokens for p in ps]
 
 
-@pytest.mark.parametrize("kind", ["swift_fixed", "quant_self_int4", "kv_draft"])
+@pytest.mark.parametrize("kind", ["swift_fixed", "kv_draft"])  # quant_self drafts through the same chain code
 def test_sampled_self_drafts_keep_the_target_distribution(kind):
     model = tiny_llama(seed=3, vocab=VOCAB, logit_scale=8.0, layers=3)
     name, options = KINDS[kind]

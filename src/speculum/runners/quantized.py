@@ -15,6 +15,7 @@ can still be quantized.
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from .decoder import Layer, Linear, NativeDecoder
 
 GROUP = 32  # int4 group size along the input channels
 QUANT_BITS = (4, 8)
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> {bits: (layers, head)}
 
 
 def linear_weight(linear: Linear) -> torch.Tensor:
@@ -89,19 +91,27 @@ def _quantize(linear: Linear, bits: int) -> QuantLinear:
     return QuantLinear(linear_weight(linear), bias, bits)
 
 
-@torch.inference_mode()
 def quantized_layers(decoder: NativeDecoder, bits: int) -> list[Layer]:
-    """Copies of ``decoder.layers`` whose four linear layers are quantized to ``bits`` (norms shared)."""
-    out = []
-    for layer in decoder.layers:
-        q = copy.copy(layer)
-        q.qkv, q.o = _quantize(layer.qkv, bits), _quantize(layer.o, bits)
-        q.gate_up, q.down = _quantize(layer.gate_up, bits), _quantize(layer.down, bits)
-        out.append(q)
-    return out
+    """Copies of ``decoder.layers`` whose four linear layers are quantized to ``bits`` (norms shared);
+    made once per decoder and width."""
+    return _copy(decoder, bits)[0]
+
+
+def quantized_head(decoder: NativeDecoder, bits: int) -> QuantLinear:
+    """The LM head quantized to ``bits`` (``[n, D]`` final-norm output -> ``[n, V]``); made once per
+    decoder and width."""
+    return _copy(decoder, bits)[1]
 
 
 @torch.inference_mode()
-def quantized_head(decoder: NativeDecoder, bits: int) -> QuantLinear:
-    """The LM head quantized to ``bits`` (``[n, D]`` final-norm output -> ``[n, V]``)."""
-    return _quantize(decoder.head, bits)
+def _copy(decoder: NativeDecoder, bits: int) -> tuple[list[Layer], QuantLinear]:
+    copies = _COPIES.setdefault(decoder, {})
+    if bits not in copies:
+        layers = []
+        for layer in decoder.layers:
+            q = copy.copy(layer)
+            q.qkv, q.o = _quantize(layer.qkv, bits), _quantize(layer.o, bits)
+            q.gate_up, q.down = _quantize(layer.gate_up, bits), _quantize(layer.down, bits)
+            layers.append(q)
+        copies[bits] = layers, _quantize(decoder.head, bits)
+    return copies[bits]

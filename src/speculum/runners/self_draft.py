@@ -6,7 +6,8 @@ values the *target* computed for the committed tokens:
 - a subset of the layers (SWIFT's layer skipping): a skipped layer passes its input through;
 - weight-only quantized copies of the linear layers and the LM head (a quantized self-draft);
 - a compressed view of the committed entries (long-context drafting, TriForce / MagicDec style):
-  StreamingLLM's first ``sink`` and last ``window`` entries instead of all of them.
+  StreamingLLM's first ``sink`` and last ``window`` entries instead of all of them, and on
+  full-attention layers optionally SnapKV's selection from between them (:class:`DraftView`).
 
 Drafted tokens write their keys and values (of the layers that run) into the target cache's free
 slots after the committed ones, ``length + used ..``, where the verification forward writes its own
@@ -102,7 +103,7 @@ class SelfDraft:
         self.cache, self.used = cache, 0
         self.pending_pos = torch.empty(0, dtype=torch.int64, device=self.decoder.device)
         v = self.view
-        if getattr(self, "picked", None) is None and v.selected and v.window is not None and tokens is not None \
+        if self.picked is None and v.selected and v.window is not None and tokens is not None \
                 and cache.length > v.sink + v.window + v.selected + v.observe:
             self._select(tokens)
             self.used = 0
@@ -169,7 +170,7 @@ class SelfDraft:
         if s.sliding_window is not None:
             masks[True] = grouped(mask & in_window(key_pos, positions, s.sliding_window), s.group, dec.dtype)
         contiguous = len(spans) == 1 and spans[0][1] == cache.length
-        picked = getattr(self, "picked", None) if committed is None else None
+        picked = self.picked if committed is None else None
         if picked:  # full-attention layers: sinks, the selection, everything committed since it
             some = next(iter(picked.values()))[0].shape[1]
             seen_sel = self.view.sink + some + cache.length - self.recent
