@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 
+import numpy as np
 import torch
 
 from ..tree import DraftTree
@@ -58,6 +59,28 @@ class DynamicTree:
         """The nodes of ``level`` to expand next: the ``top_k`` best above ``min_path_prob``."""
         best = sorted(level, key=lambda i: -self.scores[i])[:self.top_k]
         return [i for i in best if self.scores[i] >= self.min_log_prob]
+
+    def confident(self, nodes: list[int], min_prob: float) -> list[int]:
+        """The ``nodes`` whose own token, given its parent, has probability at least ``min_prob`` (the
+        early exit of a chain: Kangaroo's, SWIFT's); ``min_prob=0`` keeps them all."""
+        floor = math.log(min_prob) if min_prob > 0 else -math.inf
+        return [i for i in nodes
+                if self.scores[i] - (self.scores[self.parents[i]] if self.parents[i] >= 0 else 0.0) >= floor]
+
+    def expansion_mask(self, nodes: list[int], used: int, slots: dict[int, int],
+                       ancestors: dict[int, list[int]]) -> np.ndarray:
+        """What rows expanding ``nodes`` see among a draft cache's pending entries, the rows written at
+        slots ``used .. used + m - 1``: their ancestors' entries and their own, ``[m, used + m]`` bool.
+        ``slots`` (node -> its entry's slot) and ``ancestors`` (node -> its ancestors' slots; ``-1``,
+        the root, given by the caller) are extended with ``nodes``."""
+        visible = np.zeros((len(nodes), used + len(nodes)), dtype=bool)
+        for r, node in enumerate(nodes):
+            parent = self.parents[node]
+            ancestors[node] = ancestors[parent] + ([slots[parent]] if parent >= 0 else [])
+            visible[r, ancestors[node]] = True
+            slots[node] = used + r
+            visible[r, used + r] = True
+        return visible
 
     def path(self, node: int) -> list[int]:
         """The tokens from the first depth down to ``node``."""

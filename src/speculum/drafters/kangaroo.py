@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..errors import SpeculumError
@@ -127,20 +126,12 @@ class KangarooDrafter(Drafter):
         for depth in range(1, min(self.depth, budget)):
             frontier = grow.frontier(level)
             if self.top_k == 1:  # the paper's early exit: the token's own confidence
-                frontier = [i for i in frontier
-                            if grow.scores[i] - (grow.scores[grow.parents[i]] if grow.parents[i] >= 0 else 0.0)
-                            >= np.log(self.exit_confidence)]
+                frontier = grow.confident(frontier, self.exit_confidence)
             if not frontier:
                 break
-            m, used, committed = len(frontier), self.shallow.used, self.shallow.committed
-            visible = np.zeros((m, used + m), dtype=bool)
-            visible[:, :committed] = True
-            for r, node in enumerate(frontier):
-                parent = grow.parents[node]
-                anc[node] = anc[parent] + ([slot[parent]] if parent >= 0 else [])
-                visible[r, anc[node]] = True
-                slot[node] = used + r
-                visible[r, used + r] = True
+            m = len(frontier)
+            visible = grow.expansion_mask(frontier, self.shallow.used, slot, anc)
+            visible[:, :self.shallow.committed] = True
             positions = torch.full((m,), root_pos + depth, device=self.device)
             feats = self._run([grow.tokens[i] for i in frontier], positions, torch.from_numpy(visible).to(self.device))
             level = grow.add_children(frontier, self._logp(feats), self._token_ids)

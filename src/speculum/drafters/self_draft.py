@@ -21,9 +21,7 @@ A subclass sets ``self.model`` (or overrides :meth:`model_for`).
 from __future__ import annotations
 
 import copy
-import math
 
-import numpy as np
 import torch
 
 from ..errors import SpeculumError
@@ -114,19 +112,11 @@ class SelfDrafter(Drafter):
         for d in range(1, depth):
             frontier = grow.frontier(level)
             if self.top_k == 1:  # confidence-aware stop: the token's own probability
-                frontier = [i for i in frontier
-                            if grow.scores[i] - (grow.scores[grow.parents[i]] if grow.parents[i] >= 0 else 0.0)
-                            >= math.log(max(self.exit_confidence, 1e-30))]
+                frontier = grow.confident(frontier, self.exit_confidence)
             if not frontier:
                 break
-            m, used = len(frontier), model.used
-            visible = np.zeros((m, used + m), dtype=bool)
-            for r, node in enumerate(frontier):
-                parent = grow.parents[node]
-                anc[node] = anc[parent] + ([slot[parent]] if parent >= 0 else [])
-                visible[r, anc[node]] = True
-                slot[node] = used + r
-                visible[r, used + r] = True
+            m = len(frontier)
+            visible = grow.expansion_mask(frontier, model.used, slot, anc)
             logits = model.run(self._ids([grow.tokens[i] for i in frontier]), self._pos([root_pos + d] * m),
                                torch.from_numpy(visible).to(self.device))
             level = grow.add_children(frontier, torch.log_softmax(logits.float(), -1))

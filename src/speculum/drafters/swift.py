@@ -50,16 +50,18 @@ class SwiftDrafter(SelfDrafter):
             self.found["skip"] = sorted(set(skip))
         self.model = self._model(self.found.get("skip", []))
 
+    def _kept(self, skip: Sequence[int]) -> list[int]:
+        return [i for i in range(self.decoder.shape.layers) if i not in set(skip)]
+
     def _model(self, skip: Sequence[int]) -> SelfDraft:
-        keep = [i for i in range(self.decoder.shape.layers) if i not in set(skip)]
-        return SelfDraft(self.decoder, layers=keep)
+        return SelfDraft(self.decoder, layers=self._kept(skip))
 
     def model_for(self, tokens: list[int]) -> SelfDraft:
         if "skip" not in self.found:
             if self.target_cache.length < self.min_context:
                 return self.model  # too little context to judge a set: the full model drafts meanwhile
             self._search(tokens)
-        if self.model.layers != self._model(self.found["skip"]).layers:
+        if self.model.layers != self._kept(self.found["skip"]):
             self.model = self._model(self.found["skip"])
         return self.model
 
