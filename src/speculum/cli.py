@@ -1,4 +1,5 @@
-"""``speculum`` command line: ``generate``, ``bench``, ``calibrate``, ``longctx`` and ``serve``.
+"""``speculum`` command line: ``generate``, ``bench``, ``calibrate``, ``longctx``, ``serve``, ``train-draft``
+and ``export-head``.
 
 User mistakes (unknown model or method, bad parameters, empty prompt, ...) print one line
 ``speculum: error: ...`` and exit with status 2; they never show a traceback.
@@ -266,9 +267,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train on at most this many of the data's samples (default: all; ppd 600)")
     t.add_argument("--exit-layer", type=int, default=2,
                    help="kangaroo: the target layers its draft runs before the adapter (default: %(default)s)")
+    t.add_argument("--layout", default=None, choices=["speculum", "eagle1"],
+                   help="eagle: the head's layout; 'eagle1' (no fc bias, no input norm: EAGLE-1's reference layout) "
+                        "is the one vLLM loads, see export-head (default: speculum)")
     t.add_argument("--seed", type=int, default=0, help="prompt set, sampling and initialisation seed")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(func=None)
+    x = sub.add_parser("export-head", help="write a trained head in the layout vLLM loads",
+                       description="Write a head from `speculum train-draft` as a vLLM draft model directory: "
+                                   "--format eagle (vLLM's EagleLlamaForCausalLM; the head must have been trained "
+                                   "with --layout eagle1) or medusa (vLLM's MedusaModel). Serve it with vLLM's "
+                                   "--speculative-config '{\"method\": \"eagle\", \"model\": \"OUT\", "
+                                   "\"num_speculative_tokens\": 4}' (README, \"vLLM\").")
+    x.add_argument("head", help="the head file (.safetensors from train-draft)")
+    x.add_argument("--format", required=True, choices=["eagle", "medusa"], help="vLLM's layout to write")
+    x.add_argument("--model", default="default", help="the head's target, as for generate (default: %(default)s)")
+    x.add_argument("--out", required=True, help="directory to write (config.json, model.safetensors)")
     s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                        description="Serve /v1/models, /v1/completions and /v1/chat/completions (streaming, "
                                    "response_format json_object / json_schema, sampling parameters), /health "
@@ -296,6 +310,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="processes that run the model, each with its own copy of the weights and its own batch "
                         "(requests go to the least busy one); default: 2 on a CPU with at least 2 cores, else 1. "
                         "Fewer start if memory would not hold the copies. 1 runs the model inside the HTTP process")
+    s.add_argument("--replicas", type=int, default=None,
+                   help="run N copies of this server as Ray Serve replicas behind Ray's HTTP proxy and router (same "
+                        "API, limits and keys; needs `pip install 'speculum[ray]'`); each replica runs one engine "
+                        "with the cores shared out, unless --engines/--threads say otherwise (default: no Ray)")
+    s.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --replicas: join this Ray cluster ('auto' for the one `ray start` runs here, or "
+                        "ray://HEAD:10001) so that replicas spread over its nodes; default: a Ray instance "
+                        "started on this machine")
     s.add_argument("--threads", type=int, default=None,
                    help="CPU threads for each engine's kernels; default: with several engines, the cores shared out "
                         "among them; with one, all cores but one, which is left to the HTTP side (kernels on "
@@ -611,87 +633,31 @@ def cmd_longctx(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import torch
-    import uvicorn
+    from .server.launch import build_guard, build_state, check_serve_args, serve_http
 
+    check_serve_args(args)
+    guard, origins = build_guard(args)
+    if args.replicas is not None or args.ray_address:
+        from .integrations.ray_serve import serve_replicas
+
+        return serve_replicas(args)
+    state = build_state(args)
+    serve_http(state, guard, origins, args)
+    return 0
+
+
+def cmd_export_head(args) -> int:
+    from .heads.export import export_eagle, export_medusa
     from .models import load, load_tokenizer_and_config
-    from .runners import release_if_native, use_runner
-    from .server import ServerState, create_app
-    from .server.app import SERVABLE_METHODS
-    from .server.engines import EngineConfig, EnginePool, default_engines
-    from .server.guard import LOOPBACK_NAMES, GuardSettings
-    from .server.limits import RequestLimits
-    from .server.metrics import Metrics
 
-    if args.method not in SERVABLE_METHODS:
-        raise SpeculumError(f"unknown method {args.method!r}; choose from {', '.join(SERVABLE_METHODS)}")
-    if args.max_queue < 0:
-        raise SpeculumError("--max-queue must be >= 0")
-    if args.max_batch is not None and not 1 <= args.max_batch <= 256:
-        raise SpeculumError("--max-batch must be in 1..256")
-    if args.prefix_cache_mb < 0:
-        raise SpeculumError("--prefix-cache-mb must be >= 0")
-    if args.threads is not None and args.threads < 1:
-        raise SpeculumError("--threads must be at least 1")
-    if args.engines is not None and not 1 <= args.engines <= 64:
-        raise SpeculumError("--engines must be in 1..64")
-    if not 0 < args.port < 65536:
-        raise SpeculumError("--port must be in 1..65535")
-    if min(args.max_request_bytes, args.max_json_depth, args.max_grammar_bytes, args.max_prompt_tokens or 1) < 1 \
-            or args.grammar_timeout <= 0:
-        raise SpeculumError("--max-request-bytes, --max-prompt-tokens, --max-json-depth, --max-grammar-bytes and "
-                            "--grammar-timeout must be positive")
-    if args.deterministic and args.runner == "hf":
-        raise SpeculumError("--deterministic needs the native runner (--runner native or auto)")
-    if args.draft_head:
-        from .heads import head_kind
-
-        for path in args.draft_head:
-            head_kind(path)  # a missing or foreign file is refused now, not at the first request
-    split = lambda text: tuple(x.strip() for x in (text or "").split(",") if x.strip())
-    keys = tuple(args.api_key or ()) + split(os.environ.get("SPECULUM_API_KEY"))
-    if any(not k.strip() or any(c.isspace() for c in k) for k in keys):
-        raise SpeculumError("an API key must be non-empty and contain no spaces")
-    guard = GuardSettings(api_keys=keys, allowed_hosts=GuardSettings.hosts_for(args.host, split(args.allowed_hosts)),
-                          max_body_bytes=args.max_request_bytes)
-    limits = RequestLimits(args.max_json_depth, args.max_grammar_bytes, compile_timeout_s=args.grammar_timeout,
-                           max_prompt_tokens=args.max_prompt_tokens)
-    engines = args.engines or default_engines(args.device)
-    cores = torch.get_num_threads()
-    name = args.served_model_name or args.model
-    if engines > 1:
-        config = EngineConfig(args.model, args.dtype, args.device, args.runner, args.threads or max(1, cores // engines),
-                              args.method, args.max_tree, args.share_drafter_state, args.deterministic,
-                              args.max_batch, args.prefix_cache_mb, args.draft_head)
-        tok, _ = load_tokenizer_and_config(args.model)
-        pool = EnginePool(config, engines, Metrics(), args.max_queue)
-        if pool.skipped:
-            print(f"speculum: note: {pool.skipped}", file=sys.stderr)
-        state = ServerState.over_engines(pool, tok, name, args.method, limits, args.share_drafter_state)
+    if args.format == "eagle":
+        _, config = load_tokenizer_and_config(args.model)
+        out = export_eagle(args.head, config, args.out)
     else:
-        torch.set_num_threads(args.threads or max(1, cores - 1))  # one core left to HTTP
-        model, tok = load(args.model, args.dtype, args.device)
-        use_runner(model, args.runner)
-        release_if_native(model)  # the server runs only engine methods
-        state = ServerState(model, tok, name, args.method, args.max_queue, args.max_tree, limits,
-                            args.share_drafter_state, deterministic=args.deterministic, max_batch=args.max_batch,
-                            prefix_cache_mb=args.prefix_cache_mb, draft_head=args.draft_head)
-    if not args.no_access_log:
-        logging.getLogger("speculum.access").setLevel(logging.INFO)
-    if not keys and args.host not in LOOPBACK_NAMES:
-        print(f"speculum: warning: listening on {args.host} without an API key: anyone who can reach this "
-              f"port can use the model (--api-key)", file=sys.stderr)
-    if args.deterministic is None and not state.deterministic:
-        print("speculum: note: the reproducible mode is off (it would pad every step with this runner, dtype and "
-              "machine: --deterministic forces it); repeated requests verify whole trees", file=sys.stderr)
-    mode = "reproducible" if state.deterministic else "whole trees"
-    running = len(state.worker.engines) if engines > 1 else 1
-    print(f"speculum: serving {state.model_name!r} ({args.method}, {mode}, {running} engine"
-          f"{'s' if running > 1 else ''}, up to {state.max_batch} requests per forward) on "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(create_app(state, guard, split(args.allowed_origins)), host=args.host, port=args.port,
-                log_level="warning")
-    state.close()
+        target, _ = load(args.model, "bfloat16")
+        out = export_medusa(args.head, target, args.out)
+    print(f"wrote {out} (vLLM: --speculative-config '{{\"method\": \"{args.format}\", \"model\": \"{out}\", "
+          f"\"num_speculative_tokens\": 4}}')")
     return 0
 
 
@@ -703,7 +669,7 @@ def cmd_train_draft(args) -> int:
                                  max_new_tokens=args.max_new_tokens, batch=args.batch, dtype=args.dtype,
                                  epochs=args.epochs, vocab=args.vocab, lr=args.lr, unroll=args.unroll,
                                  heads=args.heads, exit_layer=args.exit_layer, ensemble=args.ensemble,
-                                 max_samples=args.max_samples, seed=args.seed)
+                                 max_samples=args.max_samples, layout=args.layout, seed=args.seed)
     summary = train_draft(job, progress=not args.no_progress)
     depths = ", ".join(f"{a:.3f}" for a in summary["top1_by_depth"])
     print(f"wrote {summary['head']} ({summary['samples']} samples, {summary['tokens']} response tokens, "
@@ -723,7 +689,8 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
         handler = {"generate": cmd_generate, "bench": cmd_bench, "calibrate": cmd_calibrate,
-                   "longctx": cmd_longctx, "serve": cmd_serve, "train-draft": cmd_train_draft}[args.command]
+                   "longctx": cmd_longctx, "serve": cmd_serve, "train-draft": cmd_train_draft,
+                   "export-head": cmd_export_head}[args.command]
         return handler(args)
     except SpeculumError as e:
         print(f"speculum: error: {e}", file=sys.stderr)

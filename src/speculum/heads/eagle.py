@@ -25,6 +25,8 @@ from torch import nn
 
 from ..runners.packed import fast_linear
 
+LAYOUTS = ("speculum", "eagle1")
+
 
 @dataclass(frozen=True)
 class EagleConfig:
@@ -41,22 +43,27 @@ class EagleConfig:
     # EAGLE-3: the committed tokens' input feature fuses these target layers' hidden states
     # (``fuse [len * D -> D]``); empty: the feature_layer's state as it is
     fuse_layers: tuple[int, ...] = ()
+    # "speculum": ``fc`` with a bias and an input norm before attention; "eagle1": neither, the layout
+    # of EAGLE-1's reference head and of vLLM's ``EagleLlamaForCausalLM`` (``speculum export-head``)
+    layout: str = "speculum"
 
     def __post_init__(self):
         object.__setattr__(self, "fuse_layers", tuple(self.fuse_layers))  # (a list, read back from JSON)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown EAGLE head layout {self.layout!r}; choose from {', '.join(LAYOUTS)}")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def for_target(cls, config, fuse_layers: tuple[int, ...] = ()) -> EagleConfig:
+    def for_target(cls, config, fuse_layers: tuple[int, ...] = (), layout: str = "speculum") -> EagleConfig:
         """A head sized like one decoder layer of the target (transformers ``config``)."""
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = cfg.num_attention_heads
         return cls(hidden=cfg.hidden_size, heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", heads),
                    head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
                    intermediate=cfg.intermediate_size, rope_theta=float(getattr(cfg, "rope_theta", 10000.0) or 10000.0),
-                   eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), fuse_layers=tuple(fuse_layers))
+                   eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), fuse_layers=tuple(fuse_layers), layout=layout)
 
 
 class RMSNorm(nn.Module):
@@ -104,12 +111,14 @@ class AttentionHead(nn.Module):
 
 
 class EagleHead(AttentionHead):
-    """``fc`` (``2D -> D``) then one Llama-style decoder layer; output the predicted feature ``[.., D]``."""
+    """``fc`` (``2D -> D``) then one Llama-style decoder layer; output the predicted feature ``[.., D]``.
+    In the ``eagle1`` layout ``fc`` has no bias and the layer no input norm."""
 
     def __init__(self, config: EagleConfig):
         super().__init__(config)
         c = config
-        self.fc = nn.Linear(2 * c.hidden, c.hidden, bias=True)
+        self.fc = nn.Linear(2 * c.hidden, c.hidden, bias=c.layout == "speculum")
+        self.normed_input = c.layout == "speculum"
         self.post_norm = RMSNorm(c.hidden, c.eps)
         self.gate = nn.Linear(c.hidden, c.intermediate, bias=False)
         self.up = nn.Linear(c.hidden, c.intermediate, bias=False)
@@ -136,7 +145,7 @@ class EagleHead(AttentionHead):
         ``k, v [..., H_kv, n, d]``."""
         c = self.config
         h = self.fc(torch.cat((embeds, feats), dim=-1))
-        x = self.input_norm(h)
+        x = self.input_norm(h) if self.normed_input else h
         lead = x.shape[:-1]
         q = self.q(x).view(*lead, c.heads, c.head_dim).transpose(-2, -3)
         k = self.k(x).view(*lead, c.kv_heads, c.head_dim).transpose(-2, -3)
@@ -182,7 +191,7 @@ class EagleHead(AttentionHead):
         same function as :meth:`forward`'s."""
         c, fast = self.config, self._fast
         h = fast["fc"](torch.cat((embeds, feats), dim=-1))
-        qkv = fast["qkv"](F.rms_norm(h, (c.hidden,), self.input_norm.weight, c.eps))
+        qkv = fast["qkv"](F.rms_norm(h, (c.hidden,), self.input_norm.weight, c.eps) if self.normed_input else h)
         h = h + fast["o"](cached_attention(qkv, c, self.rope(positions, h.dtype), cache, visible))
         gate, up = fast["gate_up"](F.rms_norm(h, (c.hidden,), self.post_norm.weight, c.eps)).chunk(2, dim=-1)
         return h + fast["down"](F.silu(gate) * up)

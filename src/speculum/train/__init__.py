@@ -52,6 +52,7 @@ class DraftTraining:
     exit_layer: int = 2  # kangaroo: the target layers its draft runs
     ensemble: int = 1  # ppd: embeddings per prompt position (EPT)
     max_samples: int = 0  # train on at most this many samples (0: all)
+    layout: str = "speculum"  # eagle: "eagle1" for a head vLLM loads (speculum export-head)
     seed: int = 0
 
     @classmethod
@@ -115,10 +116,14 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
             or not 1 <= job.ensemble <= 8 or job.exit_layer < 1:
         raise SpeculumError("train-draft needs --prompts >= 8, --max-new-tokens >= 8, --epochs >= 1, --batch >= 1, "
                             "--heads and --ensemble in 1..8 and --exit-layer >= 1")
+    if job.layout not in ("speculum", "eagle1") or (job.layout != "speculum" and job.kind != "eagle"):
+        raise SpeculumError("train-draft --layout: 'speculum' (default) or, for --kind eagle, 'eagle1'")
     out = Path(job.out).expanduser()
     run_dir = out / job.kind
     run_dir.mkdir(parents=True, exist_ok=True)
     settings = asdict(job)
+    if job.layout == "speculum":  # (runs from before the option: their settings stay the same)
+        settings.pop("layout")
     _check_settings(out / "data-settings.json", {k: settings[k] for k in DATA_FIELDS}, "training data")
     _check_settings(run_dir / "settings.json", settings, f"a {job.kind} run")
     t0 = time.time()
@@ -137,7 +142,8 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
     if job.max_samples:
         samples = samples[:job.max_samples]
     torch.manual_seed(job.seed)
-    cfg = TrainConfig(epochs=job.epochs, lr=job.lr, vocab=job.vocab, unroll=job.unroll, seed=job.seed)
+    cfg = TrainConfig(epochs=job.epochs, lr=job.lr, vocab=job.vocab, unroll=job.unroll, seed=job.seed,
+                      layout=job.layout)
     if job.kind in ("medusa", "hydra"):
         cfg.num_heads = cfg.eval_depths = job.heads
     if job.kind == "kangaroo":

@@ -60,7 +60,7 @@ class EagleTrainer(HeadTrainer):
     kind = "eagle"
 
     def build_head(self, model) -> EagleHead:
-        head = EagleHead(EagleConfig.for_target(model.config, self.cfg.fuse_layers))
+        head = EagleHead(EagleConfig.for_target(model.config, self.cfg.fuse_layers, self.cfg.layout))
         states = [_pairs(s, 64, self.cfg.fuse_layers) for s in self.train[:64]]
         spread = torch.cat([head.normalized_states(p[0].float()) for p in states if p is not None]).std().item() \
             if any(p is not None for p in states) else 1.0

@@ -40,6 +40,7 @@ class TrainConfig:
     noise: float = 0.2  # eagle: uniform feature noise, +- noise / 2 times the features' spread
     unroll: int = 2  # eagle: passes with the head's own predicted features
     fuse_layers: tuple[int, ...] = ()  # eagle: EAGLE-3's fused input layers (empty: the final feature)
+    layout: str = "speculum"  # eagle: the head's layout (heads.eagle.LAYOUTS; "eagle1" exports to vLLM)
     vocab: int = 8192  # draft vocabulary size (0: the whole vocabulary)
     val_share: float = 0.05
     checkpoint_every: int = 50  # optimiser steps
