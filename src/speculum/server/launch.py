@@ -125,6 +125,8 @@ def serve_http(state, guard: GuardSettings, origins: tuple[str, ...], args: argp
 
     print(f"speculum: serving {describe(state, args)} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
-        uvicorn.run(create_app(state, guard, origins), host=args.host, port=args.port, log_level="warning")
+        # (no lifespan events: without them Ctrl-C ends quietly instead of logging a cancelled lifespan task)
+        uvicorn.run(create_app(state, guard, origins), host=args.host, port=args.port, log_level="warning",
+                    lifespan="off")
     finally:
         state.close()
