@@ -76,11 +76,12 @@ FLAT_COST = CostModel(tokens=[1, 64], contexts=[64], seconds=[[0.01, 0.01]])
 
 
 def test_smollm2_every_drafter_drafts(smollm2_f32):
-    """On the two repetitive prompts, every speculative method commits well over one token per
-    forward, from a fresh start: no calibration curve and no state from earlier requests."""
+    """On the most repetitive prompt, every speculative method commits well over one token per
+    forward, from a fresh start: no calibration curve and no state from earlier requests (one
+    prompt, for the suite's time: the lossless tests run the others)."""
     model, tok = smollm2_f32
     runner = runner_for(model)
-    prompts = [encode_prompt(tok, prompt, chat=True) for prompt in PROMPTS[-2:]]
+    prompts = [encode_prompt(tok, prompt, chat=True) for prompt in PROMPTS[-1:]]
     refs = [build_method("ar", model, tok, runner=runner).run(ids, NEW).tokens for ids in prompts]
     for name in SPECULATIVE + LEARNED:
         method = build_method(name, model, tok, runner=runner, cost_model=FLAT_COST)
@@ -140,7 +141,8 @@ def test_smollm2_self_drafts_lossless(smollm2_f32):
 
 def test_gemma3_self_drafts_lossless_past_window(gemma3_f32):
     model, tok = gemma3_f32
-    _check_self_drafts(model, tok, [PROMPTS[-1] * 3], chat=False, names=("quant_self", "kv_draft"), new=32)
+    # kv_draft only, for the suite's time (quant_self past the window: tiny Gemma-3, test_self_draft.py)
+    _check_self_drafts(model, tok, [PROMPTS[-1] * 3], chat=False, names=("kv_draft",), new=32)
 
 
 def test_hf_assisted_drafts_across_tokenizers(smollm2_f32, gemma3_f32):

@@ -640,7 +640,7 @@ def cmd_serve(args) -> int:
     if args.replicas is not None or args.ray_address:
         from .integrations.ray_serve import serve_replicas
 
-        return serve_replicas(args)
+        return serve_replicas(args, guard, origins)
     state = build_state(args)
     serve_http(state, guard, origins, args)
     return 0

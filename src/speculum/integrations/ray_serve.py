@@ -44,12 +44,11 @@ def replica_class():
     class SpeculumReplica:
         """One speculum server (its own model copy, engine and queue) inside a Ray Serve replica."""
 
-        def __init__(self, args: argparse.Namespace, threads: int):
-            from ..server.launch import build_guard, build_state
+        def __init__(self, args: argparse.Namespace, threads: int, guard, origins: tuple[str, ...]):
+            from ..server.launch import build_state
 
-            self.args = args
+            self.args, self.guard, self.origins = args, guard, origins
             self.state = build_state(args, engines=args.engines or 1, threads=threads)
-            self.guard, self.origins = build_guard(args)
             context = serve.get_replica_context()
             self.name = str(getattr(context.replica_id, "unique_id", context.replica_tag))
 
@@ -75,13 +74,15 @@ def replica_class():
     return SpeculumReplica
 
 
-def build_app(args: argparse.Namespace, cpus: float | None = None):
+def build_app(args: argparse.Namespace, guard, origins: tuple[str, ...], cpus: float | None = None):
     """The bound Ray Serve application: ``args.replicas`` replicas of speculum's server, each given
-    ``cpus`` CPUs of Ray's accounting (default: this machine's cores shared out) and one thread
-    fewer for its kernels (at least one)."""
+    ``cpus`` CPUs of Ray's accounting (default: this machine's cores shared out; in a cluster pass
+    each replica's share of a node) and one thread fewer for its kernels (at least one). ``guard``
+    and ``origins`` are resolved here, on the driver (API keys from its environment included), and
+    shipped to every replica."""
     _, serve = _ray()
     replicas = args.replicas or 1
-    cpus = cpus if cpus is not None else max(1.0, (os.cpu_count() or 1) / replicas)
+    cpus = cpus if cpus is not None else (os.cpu_count() or 1) / replicas
     # as `speculum serve --engines 1`: one core left to the HTTP side (here also Ray's proxy), since
     # kernels on several threads stall whenever another process takes one of their cores
     threads = args.threads or max(1, int(cpus) - 1)
@@ -93,21 +94,24 @@ def build_app(args: argparse.Namespace, cpus: float | None = None):
         ray_actor_options={"num_cpus": cpus, **({"num_gpus": 1} if args.device == "cuda" else {})},
         health_check_period_s=10, graceful_shutdown_timeout_s=30,
     )
-    return deployment.bind(args, threads)
+    return deployment.bind(args, threads, guard, origins)
 
 
-def serve_replicas(args: argparse.Namespace, metrics_port: int | None = None) -> int:
+def serve_replicas(args: argparse.Namespace, guard, origins: tuple[str, ...], metrics_port: int | None = None) -> int:
     """``speculum serve --replicas N``: start (or join) Ray, deploy, serve until SIGINT/SIGTERM."""
     ray, serve = _ray()
     started_here = args.ray_address is None
     init = {"address": args.ray_address} if not started_here else {
         "num_cpus": os.cpu_count() or 1, "include_dashboard": False, "_node_ip_address": "127.0.0.1",
-        "_metrics_export_port": metrics_port or args.port + 1,
+        "_metrics_export_port": metrics_port or (args.port + 1 if args.port < 65535 else args.port - 1),
     }
     ray.init(logging_level="warning", log_to_driver=False, **init)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+        # in a cluster each replica claims the CPUs its kernels use (--threads, default 2: one for
+        # them, one for its HTTP side); here the machine's cores are shared out
+        cpus = None if started_here else float((args.threads or 1) + 1)
+        serve.run(build_app(args, guard, origins, cpus), name=APP_NAME, route_prefix="/")
         print(f"speculum: serving {args.served_model_name or args.model!r} ({args.method}) as {args.replicas or 1} "
               f"Ray Serve replica{'s' if (args.replicas or 1) > 1 else ''} on http://{args.host}:{args.port}/v1"
               + (f"; Ray metrics on http://127.0.0.1:{init['_metrics_export_port']}/metrics" if started_here else ""),
