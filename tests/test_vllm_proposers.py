@@ -192,11 +192,11 @@ def _live(tokens: list[int], chain: list[int], scores: list[float] | None):
 def test_the_draft_budget_keeps_the_likeliest_tokens_across_rows():
     tracker = BatchTracker(NgramDrafter(), k=8, max_model_len=64, budget=5)
     rows = {0: _live([1], [5, 6, 7, 8], [0.9, 0.8, 0.3, 0.2]), 1: _live([2], [9, 10, 11], [0.95, 0.7, 0.6])}
-    drafts = tracker._fit_budget([[5, 6, 7, 8], [9, 10, 11]], rows)
-    assert drafts == [[5, 6], [9, 10, 11]]  # 0.95, 0.9, 0.8, 0.7, 0.6 kept
-    assert rows[0].chain.tokens == [5, 6] and rows[1].chain.tokens == [9, 10, 11]
+    tracker._fit_budget(rows)
+    assert rows[0].chain.tokens == [5, 6] and rows[1].chain.tokens == [9, 10, 11]  # 0.95, 0.9, 0.8, 0.7, 0.6 kept
     unscored = {0: _live([1], [5, 6, 7], None), 1: _live([2], [9, 10, 11], None)}
-    assert tracker._fit_budget([[5, 6, 7], [9, 10, 11]], unscored) == [[5, 6, 7], [9, 10]]  # by depth
+    tracker._fit_budget(unscored)
+    assert [v.chain.tokens for v in unscored.values()] == [[5, 6, 7], [9, 10]]  # by depth
 
 
 def test_unlikely_tokens_are_cut_only_under_load():
@@ -204,11 +204,12 @@ def test_unlikely_tokens_are_cut_only_under_load():
     assert tracker.min_score(1) == 0.0 and tracker.min_score(tracker.full_batch) == tracker.full_batch_score
     assert tracker.min_score(64) == tracker.full_batch_score
     one = {0: _live([1], [5, 6, 7], [0.9, 0.5, 0.1])}
-    assert tracker._cut_unlikely([[5, 6, 7]], one) == [[5, 6, 7]]
+    tracker._cut_unlikely(one)
+    assert one[0].chain.tokens == [5, 6, 7]
     many = {i: _live([i], [5, 6, 7], [0.9, 0.5, 0.1]) for i in range(tracker.full_batch)}
     many[3] = _live([3], [5, 6, 7], None)  # no scores: kept whole
-    cut = tracker._cut_unlikely([[5, 6, 7]] * tracker.full_batch, many)
-    assert cut[0] == [5] and cut[3] == [5, 6, 7] and many[0].chain.tokens == [5]
+    tracker._cut_unlikely(many)
+    assert many[0].chain.tokens == [5] and many[3].chain.tokens == [5, 6, 7]
 
 
 def test_two_identical_requests_that_swap_rows_stay_two():

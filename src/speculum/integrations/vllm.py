@@ -76,6 +76,11 @@ class Live:
     tokens: list[int]  # committed tokens: prompt + output so far
     chain: DraftTree = field(default_factory=DraftTree)  # the draft proposed at the last step
 
+    def cut(self, keep: int) -> None:
+        """Keep the first ``keep`` tokens of this step's chain."""
+        if keep < len(self.chain):
+            self.chain = self.chain.subtree(list(range(keep)))
+
     def same_row(self, row: np.ndarray, n: int, sampled: list[int]) -> bool:
         """Whether ``row[:n]`` (a vLLM token row) is this request after committing ``sampled``."""
         m = len(self.tokens)
@@ -138,30 +143,28 @@ class BatchTracker:
         self.steps += 1
         self.learnt += any(x is not None for x in row_logits)
 
-        drafts: list[list[int]] = []
         rows: dict[int, Live] = {}
         for i, sampled in enumerate(sampled_token_ids):
-            n = int(num_tokens[i])
             if not sampled:  # prefill not done, or vLLM skipped the row: nothing to draft
-                drafts.append([])
                 continue
+            n = int(num_tokens[i])
             live = found[i]
             if live is None:
                 live = self._start(token_ids[i, :n].tolist(), len(sampled))
             else:
                 self._learn(live, sampled, row_logits[i])
             rows[i] = live
-            drafts.append(self._draft(live, n))
-        drafts = self._cut_unlikely(drafts, rows)
+            self._draft(live, n)
+        self._cut_unlikely(rows)
         if self.budget is not None:
-            drafts = self._fit_budget(drafts, rows)
+            self._fit_budget(rows)
         kept = {id(live) for live in rows.values()}
         for live in self.rows.values():
             if id(live) not in kept:
                 live.drafter.finish(live.tokens)
                 self.finished += 1
         self.rows = rows
-        return drafts
+        return [list(rows[i].chain.tokens) if i in rows else [] for i in range(len(sampled_token_ids))]
 
     def _start(self, tokens: list[int], new: int) -> Live:
         drafter = self.root.fork()
@@ -177,32 +180,26 @@ class BatchTracker:
         accepted = min(len(sampled) - 1, len(chain))
         live.drafter.update(live.tokens, chain, Acceptance(list(range(accepted)), list(sampled)), logits)
 
-    def _draft(self, live: Live, n: int) -> list[int]:
+    def _draft(self, live: Live, n: int) -> None:
+        """``live.chain``: the best root path of the drafter's tree, at most ``k`` tokens and none
+        past the model length (``n`` committed tokens)."""
         room = min(self.k, self.max_model_len - n - 1)
         if room <= 0:
             live.chain = DraftTree()
-            return []
-        chain = live.drafter.propose(live.tokens, TREE_BUDGET).best_chain()
-        if len(chain) > room:
-            chain = chain.subtree(list(range(room)))
-        live.chain = chain
-        return list(chain.tokens)
+            return
+        live.chain = live.drafter.propose(live.tokens, TREE_BUDGET).best_chain()
+        live.cut(room)
 
-    def _cut_unlikely(self, drafts: list[list[int]], rows: dict[int, Live]) -> list[list[int]]:
+    def _cut_unlikely(self, rows: dict[int, Live]) -> None:
         """Drop drafted tokens whose acceptance score is below :meth:`min_score` for this batch size
         (drafters without scores keep theirs)."""
         floor = self.min_score(len(rows))
         if floor <= 0:
-            return drafts
-        for i, live in rows.items():
+            return
+        for live in rows.values():
             scores = live.chain.scores
-            if scores is None:
-                continue
-            keep = next((d for d, p in enumerate(scores[:len(drafts[i])]) if p < floor), len(drafts[i]))
-            if keep < len(drafts[i]):
-                live.chain = live.chain.subtree(list(range(keep)))
-                drafts[i] = drafts[i][:keep]
-        return drafts
+            if scores is not None:
+                live.cut(next((d for d, p in enumerate(scores) if p < floor), len(scores)))
 
     def min_score(self, rows: int) -> float:
         """The least acceptance score worth a verification row with ``rows`` requests in the batch:
@@ -211,26 +208,23 @@ class BatchTracker:
         row costs about as much as a token is worth."""
         return self.full_batch_score * min(1.0, (rows - 1) / max(1, self.full_batch - 1))
 
-    def _fit_budget(self, drafts: list[list[int]], rows: dict[int, Live]) -> list[list[int]]:
+    def _fit_budget(self, rows: dict[int, Live]) -> None:
         """Cut the chains to ``budget`` drafted tokens in all, keeping the tokens likeliest to be
         accepted across rows: by the drafter's scores where it gives them, else by depth (a chain's
         first tokens before any row's later ones). Under load, verifying a token costs another
         row of a forward that is no longer nearly free."""
-        if sum(len(d) for d in drafts) <= self.budget:
-            return drafts
+        if sum(len(live.chain) for live in rows.values()) <= self.budget:
+            return
         ranked = []  # (-score, depth, row)
         for i, live in rows.items():
             scores = live.chain.scores or [0.9 ** (d + 1) for d in range(len(live.chain))]
-            ranked += [(-scores[d], d, i) for d in range(len(drafts[i]))]
+            ranked += [(-p, d, i) for d, p in enumerate(scores)]
         ranked.sort()
         keep = dict.fromkeys(rows, 0)
         for _, d, i in ranked[:self.budget]:
             keep[i] = max(keep[i], d + 1)  # scores fall along a chain, so the kept ones are a prefix
         for i, live in rows.items():
-            if keep[i] < len(drafts[i]):
-                live.chain = live.chain.subtree(list(range(keep[i])))
-                drafts[i] = drafts[i][:keep[i]]
-        return drafts
+            live.cut(keep[i])
 
     @staticmethod
     def _split(logits: list[torch.Tensor], sampled_token_ids: list[list[int]],
