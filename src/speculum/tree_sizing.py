@@ -112,15 +112,17 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
     return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
 
 
-def best_size(scores_desc: list[float], cost: CostModel, context: int, overhead_s: float = 0.0) -> int:
-    """Number of nodes to keep: ``argmax_N (1 + sum(scores_desc[:N])) / (c(N + 1) + overhead)``.
+def best_size(scores_desc: list[float], cost: CostModel, context: int, overhead_s: float = 0.0,
+              fixed_rows: int = 0) -> int:
+    """Number of nodes to keep: ``argmax_N (1 + sum(scores_desc[:N])) / (c(N + 1 + fixed_rows) + overhead)``
+    (``fixed_rows``: rows the forward carries whatever is kept, e.g. prompt rows after the root).
 
     ``scores_desc`` must be sorted in decreasing order.
     """
-    best_n, best_rate, expected = 0, 1.0 / (cost.cost(1, context) + overhead_s), 1.0
+    best_n, best_rate, expected = 0, 1.0 / (cost.cost(1 + fixed_rows, context) + overhead_s), 1.0
     for n, s in enumerate(scores_desc, start=1):
         expected += s
-        rate = expected / (cost.cost(n + 1, context) + overhead_s)
+        rate = expected / (cost.cost(n + 1 + fixed_rows, context) + overhead_s)
         if rate > best_rate:
             best_n, best_rate = n, rate
     return best_n
@@ -133,7 +135,8 @@ class TreeSizer:
         self.cost, self.overhead_s = cost, overhead_s
 
     def select(self, tree: DraftTree, context: int) -> DraftTree:
-        """The best-scoring nodes of ``tree`` worth verifying after ``context`` cached tokens.
+        """The best-scoring nodes of ``tree`` worth verifying after ``context`` cached tokens (the
+        tree's prompt rows after the root, which stay whatever is kept, count in the cost).
 
         Trees without scores are returned unchanged (the drafter sized them itself).
         """
@@ -141,7 +144,8 @@ class TreeSizer:
             return tree
         depth = tree.depths()
         order = sorted(range(len(tree)), key=lambda i: (-tree.scores[i], depth[i], i))
-        n = best_size([tree.scores[i] for i in order], self.cost, context, self.overhead_s)
+        fixed = 0 if tree.prompts is None else sum(a < 0 for a in tree.prompts.anchors)
+        n = best_size([tree.scores[i] for i in order], self.cost, context, self.overhead_s, fixed)
         if n == len(tree):
             return tree
         return tree.subtree(sorted(order[:n]))

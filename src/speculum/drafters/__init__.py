@@ -20,6 +20,7 @@ from .eagle import EagleDrafter
 from .hydra import HydraDrafter
 from .kangaroo import KangarooDrafter
 from .kv_draft import KVDraftDrafter
+from .lookahead import LookaheadDrafter
 from .medusa import MedusaDrafter
 from .mix import MixDrafter
 from .ngram import NgramDrafter
@@ -104,6 +105,9 @@ DRAFTERS: dict[str, DrafterEntry] = {
                           "on the fly (SWIFT)", scored=True, needs_target=True),
     "quant_self": DrafterEntry(QuantSelfDrafter, "an int4 weight-only copy of the target drafts chains over the "
                                "target's cache (QSpec-style)", scored=True, needs_target=True),
+    "lookahead": DrafterEntry(LookaheadDrafter, "Lookahead decoding: Jacobi iterates in the verification forward "
+                              "fill an n-gram pool whose n-grams at the root are verified (training-free)",
+                              scored=True, needs_target=True),
     "kv_draft": DrafterEntry(KVDraftDrafter, "lossless long context: an int4 copy of the target drafts reading "
                              "only attention sinks and a recent window of the cache (TriForce-style)", scored=True, needs_target=True),
 }
@@ -119,6 +123,7 @@ __all__ = [
     "HydraDrafter",
     "KVDraftDrafter",
     "KangarooDrafter",
+    "LookaheadDrafter",
     "MedusaDrafter",
     "MixDrafter",
     "NgramDrafter",

@@ -4,14 +4,12 @@ Arms: ``mix`` (trees from speculum's variants of suffix decoding and Token Recyc
 ``suffix_merged`` and ``recycling_scored``), ``ngram`` (prompt-lookup chains, which reach further
 on long verbatim copies) and ``none`` (plain decoding). Standalone ``suffix`` and ``recycling``
 arms were dropped after measuring: ``mix`` contains both, and every extra arm costs
-exploration steps. The reward of an arm is measured, not predicted: the tokens committed by the steps
-it drafted over the wall time of those steps (time from one ``propose`` to the next, so drafting,
-verification and bookkeeping all count). Estimates are discounted sums (``gamma`` per step) so
-they follow the text; they persist across requests, with the evidence halved at each new
-request so that every arm is re-tried early (without that, a poor first step could lock the
-bandit onto plain decoding for whole requests). Each step picks the arm with the highest upper
-confidence bound (UCB1 on rates normalised by the best arm's, ``explore`` weighting the bonus),
-so an arm that stops paying (nothing matches, drafts get rejected) loses to ``none``
+exploration steps. The reward of an arm is measured, not predicted (:mod:`~speculum.drafters.rate_bandit`):
+the tokens committed by the steps it drafted over the wall time of those steps. Estimates are
+discounted sums (``gamma`` per step) so they follow the text; they persist across requests, with
+the evidence halved at each new request so that every arm is re-tried early (without that, a poor
+first step could lock the bandit onto plain decoding for whole requests). Each step picks the arm
+with the highest upper confidence bound, so an arm that stops paying (nothing matches, drafts get rejected) loses to ``none``
 (BENCHMARKS.md, "Where nothing matches"). The tree sizer already shrinks hopeless trees to
 nothing; the bandit also catches costs the sizer does not model.
 
@@ -27,7 +25,6 @@ only when ``ppd`` drafted that step, so ``ppd`` drafts only on consecutive picks
 
 from __future__ import annotations
 
-import math
 import time
 
 from ..tree import DraftTree
@@ -36,6 +33,7 @@ from .ar import AutoregressiveDrafter
 from .base import Drafter
 from .mix import MixDrafter
 from .ngram import NgramDrafter
+from .rate_bandit import ArmRates, StepClock
 from .recycling import RecyclingDrafter
 from .suffix_merged import SuffixMergedDrafter
 
@@ -55,70 +53,34 @@ class AutoDrafter(Drafter):
             **self.learned,
         }
         self.hidden_layers = tuple(sorted({i for d in self.learned.values() for i in d.hidden_layers}))
-        self.gamma, self.explore, self.clock = gamma, explore, clock
-        self.tokens_sum = dict.fromkeys(self.arms, 0.0)  # discounted tokens committed by each arm
-        self.time_sum = dict.fromkeys(self.arms, 0.0)  # discounted seconds spent in its steps
-        self.pulls = dict.fromkeys(self.arms, 0.0)  # discounted number of steps
+        self.rates = ArmRates(self.arms, gamma, explore)  # shared with forks
+        self.clock = clock
+        self.steps = StepClock(self.rates, clock)
         self.chosen: list[str] = []  # arm of every step of the current request (for reports)
-        self._pending = None  # (arm, start time, committed length) of the step in flight
 
     def fork(self) -> AutoDrafter:
-        """Forked arms; the bandit's evidence (tokens, time and pulls per arm) stays shared."""
+        """Forked arms; the bandit's evidence (:class:`ArmRates`) stays shared."""
         twin = super().fork()
         twin.suffix, twin.recycling, twin.ngram = self.suffix.fork(), self.recycling.fork(), self.ngram.fork()
         twin.arms = {"mix": MixDrafter([twin.suffix, twin.recycling]), "ngram": twin.ngram,
                      "none": self.arms["none"].fork()}
         twin.learned = {name: d.fork() for name, d in self.learned.items()}
         twin.arms.update(twin.learned)
-        twin.chosen, twin._pending = [], None
+        twin.chosen, twin.steps = [], StepClock(self.rates, self.clock)
         return twin
 
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
         for d in (self.suffix, self.recycling, self.ngram, *self.learned.values()):
             d.reset(prompt_ids, params, generator)
-        # a new request may be a different kind of text: halve the evidence so every arm gets
-        # re-tried early (estimates are kept, confidence is not)
-        for a in self.arms:
-            self.tokens_sum[a] *= 0.5
-            self.time_sum[a] *= 0.5
-            self.pulls[a] *= 0.5
+        self.rates.halve()
         self.chosen = []
-        self._pending = None
-
-    def _close_step(self, length: int) -> None:
-        """Credit the step in flight with the tokens committed since it began."""
-        if self._pending is None:
-            return
-        arm, start, before = self._pending
-        self._pending = None
-        for a in self.arms:
-            self.tokens_sum[a] *= self.gamma
-            self.time_sum[a] *= self.gamma
-            self.pulls[a] *= self.gamma
-        self.tokens_sum[arm] += length - before
-        self.time_sum[arm] += self.clock() - start
-        self.pulls[arm] += 1
-
-    def rate(self, arm: str) -> float:
-        """Measured tokens per second of ``arm`` (discounted); 0 before its first step."""
-        return self.tokens_sum[arm] / self.time_sum[arm] if self.time_sum[arm] > 0 else 0.0
-
-    def pick(self) -> str:
-        untried = [a for a in self.arms if self.pulls[a] < 1e-3]
-        if untried:
-            return untried[0]
-        best = max(self.rate(a) for a in self.arms) or 1.0
-        total = sum(self.pulls.values())
-        return max(self.arms, key=lambda a: self.rate(a) / best
-                   + self.explore * math.sqrt(math.log(total + 1) / self.pulls[a]))
+        self.steps.pending = None
 
     def start_step(self, length: int) -> str:
         """Credit the previous step, pick this step's arm and start its clock; ``length``: tokens so far."""
-        self._close_step(length)
-        arm = self.pick()
+        arm = self.steps.start(length)
         self.chosen.append(arm)
-        self._pending = (arm, self.clock(), length)
         return arm
 
     def propose(self, tokens: list[int], budget: int) -> DraftTree:
@@ -137,7 +99,9 @@ class AutoDrafter(Drafter):
         self.arms["mix"].update(tokens, tree, acceptance, logits)  # the suffix trie and recycling table
         if self.chosen and self.chosen[-1] == "ngram":
             self.ngram.update(tokens, tree, acceptance, logits)
+        elif self.chosen and self.chosen[-1] in self.learned:
+            self.learned[self.chosen[-1]].update(tokens, tree, acceptance, logits)
 
     def finish(self, tokens: list[int]) -> None:
-        self._close_step(len(tokens))
+        self.steps.close(len(tokens))
         self.suffix.finish(tokens)
