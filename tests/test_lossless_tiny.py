@@ -15,7 +15,8 @@ from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.drafters.draft_model import DraftModelDrafter
 from speculum.drafters.ngram import NgramDrafter
 from speculum.engine import Engine
-from speculum.runners import HFRunner
+from speculum.runners import HFRunner, NativeRunner
+from speculum.tree_sizing import CostModel, TreeSizer
 from speculum.verify import Acceptance, Verifier
 
 NEW = 40
@@ -82,6 +83,47 @@ def test_draft_model_lossless(tiny_model, num_draft):
     dm = Engine(runner, DraftModelDrafter(draft, num_draft=num_draft), eos_token_ids=[])
     for prompt in _prompts(25, 4):
         assert dm.generate(prompt, NEW).tokens == ar.generate(prompt, NEW).tokens
+
+
+@pytest.mark.parametrize("options", [{"top_k": 2, "num_draft": 3}, {"top_k": 4, "num_draft": 6, "max_nodes": 12},
+                                     {"stop_risk": 0.5, "num_draft": 6}], ids=["tree2", "tree4", "stop_risk"])
+@pytest.mark.parametrize("sized", [False, True])
+def test_draft_model_trees_and_adaptive_stop_lossless(tiny_model, options, sized):
+    """Draft-model trees (EAGLE-2's dynamic tree from the draft's logits) and SpecDec++'s stop,
+    as drafted and sized to a cost curve, equal plain decoding; the tree's nodes get accepted."""
+    runner = NativeRunner(tiny_model)
+    draft = tiny_llama(seed=7, vocab=tiny_model.config.vocab_size, layers=1)
+    sizer = TreeSizer(CostModel([1, 16, 64], [64], [[0.01, 0.012, 0.03]])) if sized else None
+    ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
+    dm = Engine(runner, DraftModelDrafter(draft, **options), eos_token_ids=[], sizer=sizer)
+    drafted = accepted = 0
+    for prompt in _prompts(26, 4):
+        out = dm.generate(prompt, NEW)
+        assert out.tokens == ar.generate(prompt, NEW).tokens
+        drafted += sum(s.drafted for s in out.steps)
+        accepted += sum(s.accepted for s in out.steps)
+    assert drafted > 0 and (accepted > 0 or "stop_risk" in options)  # (a stop may rightly leave one token)
+
+
+def test_draft_model_tree_from_the_target_itself_is_mostly_accepted():
+    """With the target as its own draft, the tree holds the target's greedy path (a peaked model:
+    where probabilities are flat, another parent's best child may outscore the greedy path's)."""
+    model = tiny_llama(logit_scale=30.0)
+    drafter = DraftModelDrafter(model, num_draft=4, top_k=3, max_nodes=64, min_path_prob=0.0)
+    out = Engine(NativeRunner(model), drafter, eos_token_ids=[]).generate([1, 2, 3], 30)
+    assert [s.accepted for s in out.steps[:5]] == [4] * 5  # 4 depths; the last steps run out of room
+
+
+def test_draft_model_stop_risk_shortens_chains_where_drafts_fail():
+    """A draft that disagrees with the target: SpecDec++'s stop learns to draft short chains."""
+    model = tiny_llama()
+    draft = tiny_llama(seed=9, layers=1)
+    fixed = Engine(NativeRunner(model), DraftModelDrafter(draft, num_draft=6, adaptive=False), eos_token_ids=[])
+    stopped = Engine(NativeRunner(model), DraftModelDrafter(draft, num_draft=6, stop_risk=0.5), eos_token_ids=[])
+    for e in (fixed, stopped):
+        e.generate([1, 2, 3], 40)  # the stop's calibration learns from a first request
+    drafted = [sum(s.drafted for s in e.generate([4, 5, 6], 40).steps) / 40 for e in (fixed, stopped)]
+    assert drafted[1] < drafted[0] / 2
 
 
 def test_self_draft_accepts_everything():

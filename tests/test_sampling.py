@@ -168,7 +168,8 @@ def test_speculative_sampling_matches_target_distribution(model, variant):
     elif variant == "point_mass_drafts":
         drafter = RandomChainDrafter()
     elif variant == "draft_model_q":
-        drafter = DraftModelDrafter(tiny_llama(seed=3, vocab=VOCAB, logit_scale=5.0), num_draft=2, adaptive=False)
+        # SpecDec++'s stop: a rule on the draft's own probabilities, which must not bend p
+        drafter = DraftModelDrafter(tiny_llama(seed=3, vocab=VOCAB, logit_scale=5.0), num_draft=3, stop_risk=0.6)
     elif variant == "point_mass_tree":
         drafter = RandomTreeDrafter()
     else:

@@ -38,7 +38,8 @@ ENGINE_METHODS = tuple(DRAFTERS)
 SIZED_METHODS = tuple(name for name, entry in DRAFTERS.items() if entry.scored)
 HF_METHODS = ("hf", "hf_pld", "hf_assisted")
 METHODS = ENGINE_METHODS + HF_METHODS
-NEEDS_DRAFT = tuple(name for name, entry in DRAFTERS.items() if entry.needs_draft_model) + ("hf_assisted",)
+DRAFT_MODEL_METHODS = tuple(name for name, entry in DRAFTERS.items() if entry.needs_draft_model)
+NEEDS_DRAFT = DRAFT_MODEL_METHODS + ("hf_assisted",)
 
 
 class EngineMethod:
@@ -243,7 +244,7 @@ def load_checked(model_name: str, methods: Sequence[str], draft_name: str | None
     draft_tok = None
     if draft_name:
         draft_tok, _ = load_tokenizer_and_config(draft_name)
-        if "draft_model" in methods:
+        if any(m in DRAFT_MODEL_METHODS for m in methods):
             check_same_tokenizer(tok, draft_tok)
     model, tok = load(model_name, dtype, device, tokenizer=tok)
     use_runner(model, runner)

@@ -89,6 +89,9 @@ DRAFTERS: dict[str, DrafterEntry] = {
                          scored=True, needs_target=True),
     "draft_model": DrafterEntry(DraftModelDrafter, "a smaller model with the same tokenizer drafts chains",
                                 needs_draft_model=True),
+    "draft_model_tree": DrafterEntry(partial(DraftModelDrafter, top_k=4), "a smaller model with the same tokenizer "
+                                     "drafts EAGLE-2's dynamic tree (top 4 per node), sized", scored=True,
+                                     needs_draft_model=True),
     "eagle": DrafterEntry(EagleDrafter, "a trained EAGLE feature head drafting EAGLE-2's dynamic tree",
                           scored=True, needs_target=True),
     "eagle_fullvocab": DrafterEntry(partial(EagleDrafter, full_vocab=True), "eagle drafting through the target's "
@@ -108,6 +111,8 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "lookahead": DrafterEntry(LookaheadDrafter, "Lookahead decoding: Jacobi iterates in the verification forward "
                               "fill an n-gram pool whose n-grams at the root are verified (training-free)",
                               scored=True, needs_target=True),
+    "lookahead_fixed": DrafterEntry(partial(LookaheadDrafter, adaptive=False), "lookahead with its window in "
+                                    "every step, as in the paper (no window switch)", scored=True, needs_target=True),
     "kv_draft": DrafterEntry(KVDraftDrafter, "lossless long context: an int4 copy of the target drafts reading "
                              "only attention sinks and a recent window of the cache (TriForce-style)", scored=True, needs_target=True),
 }

@@ -34,7 +34,7 @@ from ..constrain import Grammar, compile_constraint, ll_tokenizer, pick_constrai
 from ..engine import default_eos_ids
 from ..errors import SpeculumError
 from ..kv import make_policy
-from ..methods import ENGINE_METHODS, build_method
+from ..methods import DRAFT_MODEL_METHODS, ENGINE_METHODS, build_method
 from ..prompts import encode_messages
 from ..runners import NativeRunner, runner_for
 from ..sampling import SamplingParams
@@ -45,7 +45,7 @@ from .metrics import Metrics
 from .protocol import APIError, ChatCompletionRequest, CommonParams, CompletionRequest
 from .worker import Job, QueueFull, Worker
 
-SERVABLE_METHODS = tuple(m for m in ENGINE_METHODS if m != "draft_model")
+SERVABLE_METHODS = tuple(m for m in ENGINE_METHODS if m not in DRAFT_MODEL_METHODS)
 MAX_POLICY_METHODS = 8  # KV-policy variants of its methods a tenant keeps built (ServerState.get_method)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length",
           "closed": "length"}  # the budget closer ended a cut-off output validly
