@@ -56,15 +56,23 @@ class DrafterEntry:
 AUTO_LEARNED = ("eagle", "medusa", "hydra", "kangaroo", "ppd")
 
 
-def _auto(target=None, draft_head=None, learned: bool | tuple[str, ...] = True, **options) -> AutoDrafter:
+# the self-drafters ``auto_self`` adds as arms (swift is left out: its layer search costs steps and
+# it runs below ar on the packaged models, BENCHMARKS.md "Self-speculation")
+AUTO_SELF = ("lookahead", "quant_self")
+
+
+def _auto(target=None, draft_head=None, learned: bool | tuple[str, ...] = True, self_drafts: tuple[str, ...] = (),
+          **options) -> AutoDrafter:
     """``auto``, with an arm for every learned drafter of ``learned`` (True: :data:`AUTO_LEARNED`)
-    whose head for the target is given or shipped."""
+    whose head for the target is given or shipped, and one for each self-drafter of ``self_drafts``."""
     kinds = AUTO_LEARNED if learned is True else tuple(learned or ())
     arms = {}
     for kind in kinds if target is not None else ():
         path = pick_head(draft_head, kind) or find_head(target, kind)
         if path is not None:
             arms[kind] = DRAFTERS[kind].factory(target=target, draft_head=path)
+    for kind in self_drafts if target is not None else ():
+        arms[kind] = DRAFTERS[kind].factory(target=target)
     return AutoDrafter(learned=arms, **options)
 
 
@@ -87,6 +95,8 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "mix": DrafterEntry(_mix, "suffix_merged and recycling_scored candidates in one tree", scored=True),
     "auto": DrafterEntry(_auto, "a bandit over mix / ngram / the learned drafters / none by measured tokens per second",
                          scored=True, needs_target=True),
+    "auto_self": DrafterEntry(partial(_auto, self_drafts=AUTO_SELF), "auto with the self-drafters lookahead and "
+                              "quant_self as more arms", scored=True, needs_target=True),
     "draft_model": DrafterEntry(DraftModelDrafter, "a smaller model with the same tokenizer drafts chains",
                                 needs_draft_model=True),
     "draft_model_tree": DrafterEntry(partial(DraftModelDrafter, top_k=4), "a smaller model with the same tokenizer "

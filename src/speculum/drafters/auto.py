@@ -20,7 +20,12 @@ Learned drafters (``eagle`` and the others, where a head for the target is shipp
 more arms. They read the target's hidden states and prompt-row outputs of every step, whichever
 arm drafted it, so their own state stays in step (a ``ppd`` arm drafts from the prompt rows that
 the tree of the step before carried: whatever arm drafts, auto hangs ``ppd``'s rows onto its tree
-only when ``ppd`` drafted that step, so ``ppd`` drafts only on consecutive picks).
+only when ``ppd`` drafted that step, so ``ppd`` drafts only on consecutive picks). A learned arm's
+``update`` runs after the steps it drafted.
+
+``auto_self`` adds self-drafters the same way (``lookahead``, ``quant_self``): auto hands them the
+request's KV cache; ``lookahead``'s window rides only on the steps it drafts, and its pool reads the
+whole text (prompt and output) whichever arm drafted.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class AutoDrafter(Drafter):
 
     def __init__(self, gamma: float = 0.99, explore: float = 0.25, clock=time.perf_counter,
                  learned: dict[str, Drafter] | None = None):
+        # learned: more arms by name, the learned drafters' and the self-drafters' (``auto_self``)
         self.suffix, self.recycling = SuffixMergedDrafter(), RecyclingDrafter(tree="scored", pair_context=True)
         self.ngram = NgramDrafter()
         self.learned = dict(learned or {})
@@ -53,6 +59,7 @@ class AutoDrafter(Drafter):
             **self.learned,
         }
         self.hidden_layers = tuple(sorted({i for d in self.learned.values() for i in d.hidden_layers}))
+        self.reads_cache = any(d.reads_cache for d in self.learned.values())  # a self-drafting arm
         self.rates = ArmRates(self.arms, gamma, explore)  # shared with forks
         self.clock = clock
         self.steps = StepClock(self.rates, clock)
@@ -90,6 +97,11 @@ class AutoDrafter(Drafter):
         for d in self.learned.values():
             if d.hidden_layers:
                 d.see_hidden({i: hidden[i] for i in d.hidden_layers})
+
+    def see_cache(self, cache) -> None:
+        for d in self.learned.values():
+            if d.reads_cache:
+                d.see_cache(cache)
 
     def see_prompt_logits(self, tree, acceptance, logits) -> None:
         if self.chosen and self.chosen[-1] in self.learned:

@@ -27,7 +27,7 @@ and by where the n-gram came from (Jacobi or text), so the engine's tree sizer k
 a 135M model's forward costs about as much as a drafted node (BENCHMARKS.md, "Self-speculation"),
 where on a GPU a few dozen rows cost next to nothing. Each step a bandit
 (:mod:`~speculum.drafters.rate_bandit`) chooses whether the window rides along, by the tokens per
-second measured with and without it; without it the step drafts from the pool as it stands.
+second measured with and without it (each step timed from its draft to its update); without it the step drafts from the pool as it stands.
 
 Departures from the paper: the verification branch is a tree (the paper verifies G independent
 chains), and the engine commits the bonus token after a fully accepted n-gram. Where the runner
@@ -126,6 +126,9 @@ class LookaheadDrafter(Drafter):
                 score *= self.rates.p((origin, depth))
                 parent = builder.add(parent, tok, score, ("la", (origin, depth)))
         tree = builder.build()
+        # a step is timed from its propose to its update (not to the next propose: inside auto the
+        # next step may be another arm's)
+        self.steps.pending = None
         window = self.steps.start(len(tokens)) == WINDOW if self.adaptive else True
         self.with_window.append(window)
         if window:
@@ -182,6 +185,7 @@ class LookaheadDrafter(Drafter):
         self.levels = [levels[1][1:], *levels[2:], new]
 
     def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits: torch.Tensor) -> None:
+        self.steps.close(len(tokens))
         record_tree(self.rates, "la", tree, logits, acceptance)
         if self.from_text:
             self._index_text(tokens)
