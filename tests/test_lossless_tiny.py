@@ -85,9 +85,10 @@ def test_draft_model_lossless(tiny_model, num_draft):
         assert dm.generate(prompt, NEW).tokens == ar.generate(prompt, NEW).tokens
 
 
-@pytest.mark.parametrize("options", [{"top_k": 2, "num_draft": 3}, {"top_k": 4, "num_draft": 6, "max_nodes": 12},
-                                     {"stop_risk": 0.5, "num_draft": 6}], ids=["tree2", "tree4", "stop_risk"])
-@pytest.mark.parametrize("sized", [False, True])
+@pytest.mark.parametrize("options,sized", [({"top_k": 2, "num_draft": 3}, False),
+                                           ({"top_k": 4, "num_draft": 6, "max_nodes": 12}, True),
+                                           ({"stop_risk": 0.5, "num_draft": 6}, False)],
+                         ids=["tree2", "tree4_sized", "stop_risk"])
 def test_draft_model_trees_and_adaptive_stop_lossless(tiny_model, options, sized):
     """Draft-model trees (EAGLE-2's dynamic tree from the draft's logits) and SpecDec++'s stop,
     as drafted and sized to a cost curve, equal plain decoding; the tree's nodes get accepted."""
