@@ -115,6 +115,8 @@ class LookaheadDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], budget: int) -> DraftTree:
+        if self.from_text:  # the text committed since (inside auto, other arms' steps too)
+            self._index_text(tokens)
         builder = TreeBuilder()
         limit = min(budget, self.max_nodes)
         for gram, origin in reversed(self.pool.get(tokens[-1], {}).items()):
@@ -187,8 +189,6 @@ class LookaheadDrafter(Drafter):
     def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits: torch.Tensor) -> None:
         self.steps.close(len(tokens))
         record_tree(self.rates, "la", tree, logits, acceptance)
-        if self.from_text:
-            self._index_text(tokens)
 
     def finish(self, tokens: list[int]) -> None:
         self.steps.close(len(tokens))
