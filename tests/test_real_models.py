@@ -1,9 +1,9 @@
 """End-to-end losslessness on the packaged models in float32 (slow: loads real weights).
 
-Six prompts x 64 new tokens on SmolLM2-135M-Instruct (chat template) and on Gemma-3-270M (base,
-sliding-window layers; one prompt runs past its 512-token window), for every engine method (the
-speculative ones on four of the six; on Gemma-3 every method on two, and the learned ones past
-the window, to keep the suite's time):
+Prompts x 64 new tokens on SmolLM2-135M-Instruct (chat template: plain decoding on six prompts,
+the model-free speculative methods on three, the model-drafting ones on two) and on Gemma-3-270M
+(base, sliding-window layers: every method on one prompt, and prompt lookup, eagle and ppd on one
+past its 512-token window), to keep the suite's time:
 chains (ngram, draft_model) and trees (ngram_tree, suffix, recycling, mix, auto, eagle; sized to
 the calibrated float32 cost curve). Engine methods run on the native runner (the default for both
 models); plain decoding on the Hugging Face runner must give the same tokens.
@@ -36,7 +36,7 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea, there lived an old fisherman. " * 12
     + "Continue the story.",
 ]
-SPECULATIVE_PROMPTS = [PROMPTS[i] for i in (0, 2, 4, 5)]  # summary, code, repetition, long context
+SPECULATIVE_PROMPTS = [PROMPTS[i] for i in (0, 4, 5)]  # summary, repetition, long context
 NEW = 64
 SPECULATIVE = ("ngram", "ngram_tree", "suffix", "recycling", "mix", "auto")
 LEARNED = ("eagle", "medusa", "hydra", "kangaroo", "ppd")
@@ -94,7 +94,7 @@ def test_smollm2_every_drafter_drafts(smollm2_f32):
 
 
 def test_gemma3_float32_lossless_past_window(gemma3_f32):
-    """Prompt lookup, mix, eagle and ppd past the 512-token sliding window, with the shipped heads."""
+    """Prompt lookup, eagle and ppd past the 512-token sliding window, with the shipped heads."""
     model, tok = gemma3_f32
     assert all(find_head(model, kind) is not None for kind in LEARNED)
     assert model.config.sliding_window == 512
@@ -104,9 +104,9 @@ def test_gemma3_float32_lossless_past_window(gemma3_f32):
     ids = encode_prompt(tok, long_prompt, chat=False)
     ref = build_method("ar", model, tok, runner=runner).run(ids, NEW).tokens
     assert build_method("ar", model, tok, runner=HFRunner(model)).run(ids, NEW).tokens == ref
-    # chains, and trees from every tree source (medusa's, hydra's and kangaroo's, and auto's bandit
-    # over them, run on SmolLM2 and tiny Gemma-3 past its window: suite time)
-    for name in ("ngram", "mix", "eagle", "ppd"):
+    # a chain, a learned tree and prompt rows (mix's, medusa's, hydra's and kangaroo's trees, and
+    # auto's bandit over them, run on SmolLM2 and on tiny Gemma-3 past its window: suite time)
+    for name in ("ngram", "eagle", "ppd"):
         assert build_method(name, model, tok, runner=runner).run(ids, NEW).tokens == ref, name
 
 

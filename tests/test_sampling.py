@@ -169,7 +169,7 @@ def test_speculative_sampling_matches_target_distribution(model, variant):
         drafter = RandomChainDrafter()
     elif variant == "draft_model_q":
         # SpecDec++'s stop: a rule on the draft's own probabilities, which must not bend p
-        drafter = DraftModelDrafter(tiny_llama(seed=3, vocab=VOCAB, logit_scale=5.0), num_draft=3, stop_risk=0.6)
+        drafter = DraftModelDrafter(tiny_llama(seed=3, vocab=VOCAB, logit_scale=5.0), num_draft=2, stop_risk=0.6)
     elif variant == "point_mass_tree":
         drafter = RandomTreeDrafter()
     else:

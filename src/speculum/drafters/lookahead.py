@@ -66,8 +66,7 @@ class LookaheadDrafter(Drafter):
         if window < 2 or ngram < 3 or guesses < 1:
             raise SpeculumError(f"lookahead needs window >= 2, ngram >= 3 and guesses >= 1; got window={window}, "
                                 f"ngram={ngram}, guesses={guesses}")
-        if draft_head is not None:
-            raise SpeculumError("lookahead trains nothing and takes no draft head")
+        # draft_head: the learned drafters' head files, passed to every method that reads the target; unused here
         self.embedding = target.get_input_embeddings()  # Gemma's scale included
         self.window, self.ngram, self.guesses = window, ngram, guesses
         self.from_text, self.max_nodes, self.seed = from_text, max_nodes, seed
