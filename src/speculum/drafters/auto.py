@@ -9,8 +9,8 @@ the tokens committed by the steps it drafted over the wall time of those steps. 
 discounted sums (``gamma`` per step) so they follow the text; they persist across requests, with
 the evidence halved at each new request so that every arm is re-tried early (without that, a poor
 first step could lock the bandit onto plain decoding for whole requests). Each step picks the arm
-with the highest upper confidence bound, so an arm that stops paying (nothing matches, drafts get rejected) loses to ``none``
-(BENCHMARKS.md, "Where nothing matches"). The tree sizer already shrinks hopeless trees to
+with the highest upper confidence bound, so an arm that stops paying (nothing matches, drafts get
+rejected) loses to ``none`` (BENCHMARKS.md, "Where nothing matches"). The tree sizer already shrinks hopeless trees to
 nothing; the bandit also catches costs the sizer does not model.
 
 The arms share their state (one suffix trie, one recycling matrix), so every arm keeps learning

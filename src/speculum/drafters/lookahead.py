@@ -129,8 +129,7 @@ class LookaheadDrafter(Drafter):
         tree = builder.build()
         # a step is timed from its propose to its update (not to the next propose: inside auto the
         # next step may be another arm's)
-        self.steps.pending = None
-        window = self.steps.start(len(tokens)) == WINDOW if self.adaptive else True
+        window = self.steps.begin(len(tokens)) == WINDOW if self.adaptive else True
         self.with_window.append(window)
         if window:
             tree.prompts = self._window_rows()

@@ -74,9 +74,14 @@ class StepClock:
             self.pending = None
             self.rates.credit(arm, length - before, self.clock() - start)
 
-    def start(self, length: int) -> str:
-        """Credit the previous step, pick this step's arm and start its clock."""
-        self.close(length)
+    def begin(self, length: int) -> str:
+        """Pick this step's arm and start its clock (a step in flight is dropped uncredited: for a
+        drafter that closes its steps itself, in ``update``)."""
         arm = self.rates.pick()
         self.pending = (arm, self.clock(), length)
         return arm
+
+    def start(self, length: int) -> str:
+        """Credit the previous step, then :meth:`begin` this one (a step runs until the next draft)."""
+        self.close(length)
+        return self.begin(length)
