@@ -108,7 +108,7 @@ def replay_ms(model, context: int, counts, repeats: int = 200) -> dict:
         tree = DraftTree.chain(list(range(200, 200 + n - 1)))
         runner.forward_tree(cache, 5, tree)  # captures the graph
         cache.pending = 0
-        graph, _ = runner.graphs.graphs[runner.graphs.shapes_for(cache.length, n)]
+        graph, _ = runner.graphs.graphs[runner.graphs.shapes_for(cache.length, n) + ((),)]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(repeats):

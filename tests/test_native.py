@@ -106,6 +106,29 @@ def test_graph_shaped_steps_match(model):
     _compare_steps(model, native, atol=1e-5)
 
 
+def test_graph_shaped_steps_return_hidden_states(model):
+    """A graphed step that also returns hidden states (what the learned drafters read) gives the eager
+    step's, for the embeddings, an inner layer and the final norm's output."""
+    eager = NativeRunner(model)
+    padded = NativeRunner(model, cuda_graphs="padded", graph_context=128)
+    layers = (0, 1, eager.num_layers)
+    rng = random.Random(5)
+    prompt = [rng.randrange(TINY_VOCAB) for _ in range(2 * WINDOW)]
+    caches = eager.new_cache(128), padded.new_cache(128)
+    for runner, cache in zip((eager, padded), caches):
+        runner.prefill(cache, prompt)
+    for _ in range(6):
+        tree, root = _random_tree(rng, rng.randrange(0, 10)), rng.randrange(TINY_VOCAB)
+        want, got = (r.forward(c, root, tree, layers) for r, c in zip((eager, padded), caches))
+        torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-5)
+        assert sorted(got.hidden) == list(layers)
+        for i in layers:
+            assert got.hidden[i].shape == (len(tree) + 1, model.config.hidden_size)
+            torch.testing.assert_close(got.hidden[i], want.hidden[i], rtol=0, atol=1e-5)
+        for c in caches:
+            c.commit([0])
+
+
 def test_fused_kernels_match(model):
     """The GPU path's fused RMSNorm / rotary / KV write, run on the CPU."""
     native = NativeRunner(model)

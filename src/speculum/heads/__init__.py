@@ -122,7 +122,8 @@ class TargetTables:
         scale = float(scale) if scale is not None else None
         head = model.get_output_embeddings().weight.detach()
         if draft_vocab is not None:
-            head = head.index_select(0, draft_vocab.to(head.device))
+            draft_vocab = draft_vocab.to(head.device)  # indexed by drafted ids on the model's device
+            head = head.index_select(0, draft_vocab)
         cfg = model.config.get_text_config()
         return cls(embed.to(dtype), scale, head.to(dtype).contiguous(), draft_vocab,
                    getattr(cfg, "final_logit_softcapping", None))

@@ -14,6 +14,9 @@ every cache length and tree shape of its bucket:
 - ``tree [B, B]`` bool: ancestor mask among the new tokens; padding rows see only themselves
   and no real row sees a padding column.
 
+A step that also returns hidden states (the learned drafters read them) is a graph of its own
+per set of layers, keyed ``(B, K, layers)``.
+
 The attention mask over ``K`` slots is built inside the graph from those
 (:func:`~speculum.attention.padded_visibility`): committed slots are visible (within the window on
 sliding layers, key position = slot), the new block follows ``tree``, the rest is hidden. Padding rows write garbage into pending slots past the real ones,
@@ -28,6 +31,7 @@ import numpy as np
 import torch
 
 from ..attention import grouped, padded_visibility
+from .base import Forward
 from .decoder import NativeDecoder
 
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80)
@@ -60,7 +64,7 @@ class GraphedSteps:
         self.key_buckets = tuple(b for b in KEY_BUCKETS if b < self.capacity) + (self.capacity,)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Forward]] = {}
 
     def shapes_for(self, length: int, n: int) -> tuple[int, int] | None:
         """``(B, K)`` for ``n`` tokens after ``length`` committed ones, or None (run eagerly)."""
@@ -83,8 +87,9 @@ class GraphedSteps:
             }
         return self.inputs[b]
 
-    def _step(self, b: int, k: int) -> torch.Tensor:
-        """The captured computation: ``[B, V]`` logits from the static inputs of bucket ``b``."""
+    def _step(self, b: int, k: int, hidden: tuple[int, ...] = ()) -> Forward:
+        """The captured computation: ``[B, V]`` logits (and ``{i: [B, D]}`` hidden states of layers
+        ``hidden``) from the static inputs of bucket ``b``."""
         inp = self.inputs[b]
         dec, s = self.decoder, self.decoder.shape
         length, positions = inp["length"], inp["positions"]
@@ -92,12 +97,13 @@ class GraphedSteps:
         full, sliding = padded_visibility(length, positions, inp["tree"].bool(), k, s.sliding_window)
         add = grouped(full, s.group, dec.dtype)
         masks = {False: add, True: add if sliding is full else grouped(sliding, s.group, dec.dtype)}
-        return dec.forward(inp["ids"], positions, self.kv, slots, k, masks).logits
+        return dec.forward(inp["ids"], positions, self.kv, slots, k, masks, hidden_layers=hidden)
 
     @torch.inference_mode()
     def run(self, length: int, ids: list[int], depths: list[int], tree_mask: np.ndarray | None,
-            shapes: tuple[int, int]) -> torch.Tensor:
-        """Replay (capturing first if needed) the graph for ``shapes``; returns ``[n, V]`` logits (a copy).
+            shapes: tuple[int, int], hidden: tuple[int, ...] = ()) -> Forward:
+        """Replay (capturing first if needed) the graph for ``shapes``; returns ``[n, V]`` logits and
+        ``{i: [n, D]}`` hidden states of layers ``hidden`` (copies).
 
         Args:
             length: committed cache entries.
@@ -126,23 +132,24 @@ class GraphedSteps:
             inp["copied"] = torch.cuda.Event()
             inp["copied"].record()
         if not self.capture:
-            return self.step_fn(b, k)[:n].clone()
-        entry = self.graphs.get((b, k))
-        if entry is None:
-            entry = self._capture(b, k)
-        graph, out = entry
-        graph.replay()
-        return out[:n].clone()
+            out = self.step_fn(b, k, hidden)
+        else:
+            entry = self.graphs.get((b, k, hidden))
+            if entry is None:
+                entry = self._capture(b, k, hidden)
+            graph, out = entry
+            graph.replay()
+        return Forward(out.logits[:n].clone(), {i: h[:n].clone() for i, h in out.hidden.items()})
 
-    def _capture(self, b: int, k: int):
+    def _capture(self, b: int, k: int, hidden: tuple[int, ...]):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # warm-up outside capture (library handles, autotuning, compilation)
-                self.step_fn(b, k)
+                self.step_fn(b, k, hidden)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.step_fn(b, k)
-        self.graphs[(b, k)] = (graph, out)
+            out = self.step_fn(b, k, hidden)
+        self.graphs[(b, k, hidden)] = (graph, out)
         return graph, out

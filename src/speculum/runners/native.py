@@ -207,17 +207,20 @@ class NativeRunner(RunnerBase):
 
     @torch.inference_mode()
     def forward(self, cache: StaticKVCache, root: int, tree: DraftTree, hidden_layers: Sequence[int] = ()) -> Forward:
-        """Logits ``[n + 1, V]`` for ``[root] + tree.tokens``: a CUDA-graph replay where one fits
-        (and no hidden states are asked for), else an eager forward."""
-        if self.graphs is not None and cache.fixed and not hidden_layers and tree.prompts is None:
+        """Logits ``[n + 1, V]`` (and hidden states ``{i: [n + 1, D]}`` of ``hidden_layers``) for
+        ``[root] + tree.tokens``: a CUDA-graph replay where one fits, else an eager forward."""
+        if self.graphs is not None and cache.fixed and tree.prompts is None:
             self._check_owner(cache)
             ids = [root] + tree.tokens
             shapes = self.graphs.shapes_for(cache.length, len(ids))
             if shapes is not None:
+                if hidden_layers:
+                    self._check_layers(hidden_layers)
                 mask = None if tree.is_chain else tree.ancestor_mask_np()
-                logits = self.graphs.run(cache.length, ids, [0] + tree.depths(), mask, shapes)
+                out = self.graphs.run(cache.length, ids, [0] + tree.depths(), mask, shapes,
+                                      tuple(sorted(set(hidden_layers))))
                 cache.pending = len(ids)
-                return Forward(logits)
+                return out
         return super().forward(cache, root, tree, hidden_layers)
 
 
