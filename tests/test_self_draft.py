@@ -177,3 +177,32 @@ def test_snapkv_view_picks_entries_on_full_attention_layers(make):
     assert sorted(picked) == full_layers
     s = drafter.decoder.shape
     assert all(k.shape == v.shape == (s.kv_heads, 3, s.head_dim) for k, v in picked.values())
+
+
+def test_snapkv_selection_is_the_observation_windows_top_entries():
+    """The entries a snapkv view picks (at the end of the prefill) are the top ``selected`` per KV head
+    by the attention the prompt's last ``observe`` tokens pay them, scored against transformers' own
+    attention weights (float32, the target's weights drafting)."""
+    model = make_llama()
+    model.config._attn_implementation = "eager"
+    sink, window, selected, observe = 1, 4, 5, 6
+    drafter = DRAFTERS["kv_draft"].factory(target=model, policy="snapkv", sink=sink, window=window,
+                                           selected=selected, observe=observe, bits=16)
+    prompt = prompts(1, 7)[0] + [random.Random(8).randrange(TINY_VOCAB) for _ in range(40)]
+    Engine(NativeRunner(model), drafter, eos_token_ids=[]).generate(prompt, 1)
+    length = len(prompt) - 1
+    start, lo, hi = length - observe, sink, length - window
+    with torch.inference_mode():
+        attn = model(torch.tensor([prompt[:-1]]), output_attentions=True).attentions  # per layer [1, H, T, T]
+    s = drafter.decoder.shape
+    slots = drafter.model.picked_slots
+    assert sorted(slots) == list(range(s.layers))
+    for i, a in enumerate(attn):
+        got = a[0, :, start:length].sum(1).view(s.kv_heads, s.group, length).sum(1)  # [H_kv, length]
+        pooled = torch.nn.functional.max_pool1d(got[:, None, lo:hi], 7, 1, 3)[:, 0]
+        for h in range(s.kv_heads):
+            chosen = slots[i][h] - lo
+            assert len(set(chosen.tolist())) == selected and chosen.min() >= 0 and chosen.max() < hi - lo
+            rest = torch.ones(hi - lo, dtype=torch.bool)
+            rest[chosen] = False
+            assert pooled[h, chosen].min() >= pooled[h, rest].max() - 1e-5

@@ -226,6 +226,9 @@ class Decoding:
         if self.drafter.hidden_layers and n:
             self.prompt_hidden.append(hidden)
         if self.to_prefill == 0 and not self.started:
+            # the drafter's start reads the prompt (a head's pass over its hidden states, a
+            # compressed view's selection): prompt processing, timed with the prefill
+            t = time.perf_counter()
             self.drafter.reset(self.prompt, self.verifier.params, self.verifier.generator)
             if self.drafter.reads_cache:
                 self.drafter.see_cache(self.cache)
@@ -233,6 +236,7 @@ class Decoding:
             if self.drafter.hidden_layers and self.prompt_hidden:
                 parts, self.prompt_hidden = self.prompt_hidden, []
                 self.drafter.see_hidden({i: torch.cat([p[i] for p in parts]) for i in parts[0]})
+            self.prefill_s += time.perf_counter() - t
 
     def draft(self) -> DraftTree:
         """The drafter's tree for this step, shaped by the guide (at most the room left)."""

@@ -61,10 +61,18 @@ class SelfDrafter(Drafter):
         twin.model = copy.copy(self.model)  # per-step state (the cache it writes into) is per request
         return twin
 
+    def reset(self, prompt_ids, params, generator) -> None:
+        super().reset(prompt_ids, params, generator)
+        self.prompt = list(prompt_ids)
+
     def see_cache(self, cache) -> None:
+        """The request's cache, its prompt prefilled: a selecting view picks its entries now."""
         check_plain_cache(cache, self.decoder, self.name)
         self.target_cache = cache
         self.model.reset()
+        prompt = getattr(self, "prompt", None)
+        if prompt is not None and cache.length == len(prompt) - 1:
+            self.model.prepare(cache, prompt)
 
     def model_for(self, tokens: list[int]) -> SelfDraft:
         """The draft model of this step (``swift`` searches its layers first)."""

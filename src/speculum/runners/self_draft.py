@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import grouped, in_window
+from ..attention import attention_probs, grouped, in_window, unfold_rows
 from ..cache import KVCache
 from ..cache.positioned import PositionedKVCache
 from ..cache.static import StaticKVCache
@@ -87,18 +87,24 @@ class SelfDraft:
         self.view = view
         self.cache: KVCache | None = None
         self.used = 0
-        self._on_attend = None  # a hook on each layer's queries (the selection's scoring)
+        self._on_attend = None  # the selection's observation rows: attention output and scores at once
         self.reset()
 
     def reset(self) -> None:
         """A new request: forget the last one's selection."""
         self.picked: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> k, v [H_kv, B, d]
+        self.picked_slots: dict[int, torch.Tensor] = {}  # layer -> their slots [H_kv, B]
         self.recent = 0  # with a selection: committed slots from here on are all read
+
+    def prepare(self, cache: KVCache, tokens: list[int]) -> None:
+        """After the prompt's prefill (``tokens``: the committed ones, then the root): a selecting view
+        picks its entries now, as SnapKV does at prefill, rather than in the first draft step."""
+        self.begin(cache, 0, tokens)
 
     def begin(self, cache: KVCache, rows: int, tokens: list[int] | None = None) -> None:
         """Start a draft step on the target's ``cache`` (committed entries only), with room for
         ``rows`` draft entries in all; ``tokens`` (the committed ones, then the root) let a selecting
-        view pick its entries at the request's first step."""
+        view pick its entries if :meth:`prepare` has not."""
         cache.reserve(cache.length + rows + self.view.observe)  # before any write: a growth keeps only committed entries
         self.cache, self.used = cache, 0
         self.pending_pos = torch.empty(0, dtype=torch.int64, device=self.decoder.device)
@@ -123,31 +129,30 @@ class SelfDraft:
         causal = torch.ones(obs, obs, dtype=torch.bool, device=dec.device).tril()
         full, self.view = self.view, DraftView()  # the observation rows read everything
         scores: dict[int, torch.Tensor] = {}
-        self._on_attend = lambda i, layer, q: scores.__setitem__(i, self._scores(i, q, start)) \
-            if not layer.sliding else None
+
+        def observe(i: int, layer: Layer, q, k, v, mask) -> torch.Tensor | None:
+            if layer.sliding:
+                return None
+            probs = attention_probs(q, k, mask, s.attn_scale, s.attn_softcap)  # [H_kv, g*obs, keys]
+            # [H_kv, length]: what each entry receives (the rows' own keys are the pending copies of
+            # slots start .. length - 1, after the committed ones)
+            scores[i] = probs.sum(1)
+            return unfold_rows(torch.matmul(probs.to(v.dtype), v), q.shape[0])
+
+        self._on_attend = observe
         try:
             self.run(ids, positions, causal, committed=start)
         finally:
             self.view, self._on_attend = full, None
         kv = cache.kv
-        self.picked = {}
+        self.picked, self.picked_slots = {}, {}
         for i, sc in scores.items():
             pooled = torch.nn.functional.max_pool1d(sc[:, None, lo:hi], v.kernel, 1, v.kernel // 2)[:, 0]
             top = pooled.topk(min(v.selected, hi - lo), dim=-1).indices.sort(-1).values + lo  # [H_kv, B]
             idx = top[..., None].expand(-1, -1, s.head_dim)
             self.picked[i] = (kv[i, 0].gather(1, idx), kv[i, 1].gather(1, idx))
+            self.picked_slots[i] = top
         self.recent = hi
-
-    def _scores(self, i: int, q: torch.Tensor, start: int) -> torch.Tensor:
-        """Attention probabilities of rows ``q [n, H, d]`` over committed slots ``0 .. start - 1`` of
-        layer ``i``, summed over rows and each KV head's query heads: ``[H_kv, start]``."""
-        s = self.decoder.shape
-        k = self.cache.kv[i, 0, :, :start]  # [H_kv, start, d]
-        qg = q.view(q.shape[0], s.kv_heads, s.group, s.head_dim).permute(1, 0, 2, 3).reshape(s.kv_heads, -1, s.head_dim)
-        logits = torch.matmul(qg, k.transpose(-1, -2)).float() * s.attn_scale
-        if s.attn_softcap is not None:
-            logits = torch.tanh(logits / s.attn_softcap) * s.attn_softcap
-        return logits.softmax(-1).sum(1)
 
     @torch.inference_mode()
     def run(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
@@ -188,8 +193,10 @@ class SelfDraft:
         def attend(i: int, layer: Layer, q, k, v):
             kv[i, 0, :, at:at + n] = k.transpose(0, 1)
             kv[i, 1, :, at:at + n] = v.transpose(0, 1)
-            if self._on_attend is not None:
-                self._on_attend(i, layer, q)
+            if self._on_attend is not None:  # the selection's observation rows: attention and scores at once
+                out = self._on_attend(i, layer, q, keys(kv[i, 0]), keys(kv[i, 1]), masks[layer.sliding])
+                if out is not None:
+                    return out
             if picked and not layer.sliding:
                 return dec.attend(q, selected(kv[i, 0], picked[i][0]), selected(kv[i, 1], picked[i][1]), masks[False])
             return dec.attend(q, keys(kv[i, 0]), keys(kv[i, 1]), masks[layer.sliding])
