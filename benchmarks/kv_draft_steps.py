@@ -33,7 +33,9 @@ def main() -> None:
     print("| run | tok/s | tokens per step | draft ms/step | verify ms/step |\n|---|---:|---:|---:|---:|")
     for name, drafter in [("ar", AutoregressiveDrafter()), ("kv_draft int4, window 512", KVDraftDrafter(model)),
                           ("kv_draft int4, window 256", KVDraftDrafter(model, window=256)),
-                          ("kv_draft int4, snapkv (window 256 + 512 picked)", KVDraftDrafter(model, policy="snapkv"))]:
+                          ("kv_draft int4, snapkv (window 256 + 512 picked)", KVDraftDrafter(model, policy="snapkv")),
+                          ("kv_draft int4, quest (window 256 + 32 pages of 16 per forward)",
+                           KVDraftDrafter(model, policy="quest"))]:
         engine = Engine(runner, drafter, tok, chains_only=args.reproducible)
         engine.generate(ids[-300:], 4)  # warm-up
         r = engine.generate(ids, args.new)

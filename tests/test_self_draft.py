@@ -17,6 +17,7 @@ from speculum.methods import build_method
 from speculum.runners import NativeRunner
 from speculum.runners.decoder import Linear
 from speculum.runners.quantized import QuantLinear, linear_weight
+from speculum.runners.self_draft import page_bounds
 from speculum.tree_sizing import CostModel
 
 # (drafter, options): every self-drafter and its variants; kv_draft's window is far shorter than the sequences
@@ -28,6 +29,7 @@ KINDS = {
     "kv_draft": ("kv_draft", {"sink": 2, "window": 6, "bits": 16}),
     "kv_draft_int4": ("kv_draft", {"sink": 1, "window": 9, "bits": 4}),
     "kv_draft_snapkv": ("kv_draft", {"policy": "snapkv", "sink": 1, "window": 4, "selected": 3, "observe": 4}),
+    "kv_draft_quest": ("kv_draft", {"policy": "quest", "sink": 1, "window": 4, "pages": 2, "page": 3}),
 }
 
 
@@ -43,7 +45,7 @@ def make_llama():
 SHAPES = {"chain": {"top_k": 1}, "tree": {"top_k": 4, "max_nodes": 16},
           "sized_tree": {"top_k": 8, "max_nodes": 40, "sized": True}}
 # every kind as a chain; trees once per code path (the view, the weights and the layers differ, not the tree)
-CASES = [(k, "chain") for k in KINDS] + [(k, t) for k in ("swift", "quant_self_int4", "kv_draft_snapkv")
+CASES = [(k, "chain") for k in KINDS] + [(k, t) for k in ("swift", "quant_self_int4", "kv_draft_snapkv", "kv_draft_quest")
                                          for t in ("tree", "sized_tree")]
 
 
@@ -158,7 +160,7 @@ def test_self_drafts_refuse_what_they_cannot_run():
     with pytest.raises(SpeculumError, match="skips layers among"):
         build_method("swift", model, None, skip=[7])
     with pytest.raises(SpeculumError, match="kv-draft policy"):
-        build_method("kv_draft", model, None, policy="quest")
+        build_method("kv_draft", model, None, policy="kivi")
     method = build_method("quant_self", model, None, kv_policy=make_policy("streaming", "16"))
     with pytest.raises(SpeculumError, match="plain cache"):
         method.run(list(range(20)), 8)
@@ -206,3 +208,35 @@ def test_snapkv_selection_is_the_observation_windows_top_entries():
             rest = torch.ones(hi - lo, dtype=torch.bool)
             rest[chosen] = False
             assert pooled[h, chosen].min() >= pooled[h, rest].max() - 1e-5
+
+
+def test_quest_page_bounds_bound_every_score():
+    """Quest's page bound (two products) is the elementwise ``sum_c max(q_c min_c, q_c max_c)`` and
+    is at least every attention logit of the page's keys."""
+    torch.manual_seed(0)
+    kv_heads, rows, d, pages, page = 2, 5, 8, 6, 4
+    qg, keys = torch.randn(kv_heads, rows, d), torch.randn(kv_heads, pages, page, d)
+    kmin, kmax = keys.amin(2), keys.amax(2)  # [H_kv, P, d]
+    got = page_bounds(qg, kmin.transpose(1, 2), kmax.transpose(1, 2))  # [H_kv, R, P]
+    want = torch.maximum(qg[:, :, None] * kmin[:, None], qg[:, :, None] * kmax[:, None]).sum(-1)
+    torch.testing.assert_close(got, want)
+    logits = torch.einsum("hrd,hpkd->hrpk", qg, keys)  # every key's logit
+    assert (got[..., None] >= logits - 1e-5).all()
+
+
+@pytest.mark.parametrize("make", [make_llama, tiny_gemma3], ids=["llama", "gemma3"])
+def test_quest_view_reads_pages_on_full_attention_layers(make):
+    model = make()
+    drafter = DRAFTERS["kv_draft"].factory(target=model, policy="quest", sink=1, window=4, pages=2, page=3, bits=16)
+    engine = Engine(NativeRunner(model), drafter, eos_token_ids=[])
+    prompt = prompts(4, 1)[0] + list(range(30))
+    assert engine.generate(prompt, 24).tokens == build_method("ar", model, None).run(prompt, 24).tokens
+    bounds = drafter.model.bounds
+    full_layers = [i for i, layer in enumerate(drafter.decoder.layers) if not layer.sliding]
+    assert sorted(bounds) == full_layers
+    s = drafter.decoder.shape
+    count = (len(prompt) - 1 - 4 - 1) // 3  # whole pages between the sink and the window, after the prefill
+    assert all(lo.shape == hi.shape == (s.kv_heads, s.head_dim, count) for lo, hi in bounds.values())
+    q = torch.randn(2, s.heads, s.head_dim)
+    slots = drafter.model._pages(full_layers[0], q)
+    assert slots.shape == (s.kv_heads, 2 * 3) and slots.min() >= 1 and slots.max() < 1 + 3 * count

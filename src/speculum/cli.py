@@ -103,9 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="KV budget: a token count (1024) or a ratio of the prompt (0.25; default)")
     kvg.add_argument("--kv-draft", default=None, metavar="SPEC",
                      help="lossless long context: keep the full cache to verify, and draft with the same model "
-                          "reading a compressed view of it: streaming (attention sinks + recent window) or snapkv (also the "
-                          "entries the prompt's end attends to most), with options sink=4, window=512 (snapkv 256), "
-                          "selected=512, observe=32, bits=4|8|16 (an int4 (default) or int8 weight copy drafts, 16 the "
+                          "reading a compressed view of it: streaming (attention sinks + recent window), snapkv (also the "
+                          "entries the prompt's end attends to most) or quest (also the key pages whose score bound is "
+                          "highest for each draft forward), with options sink=4, window=512 (snapkv and quest 256), "
+                          "selected=512, observe=32 (snapkv), pages=32, page=16 (quest), bits=4|8|16 (an int4 (default) "
+                          "or int8 weight copy drafts, 16 the "
                           "target's own weights), depth=6, top_k=1; e.g. snapkv:bits=8. Runs the kv_draft method in "
                           "place of --method")
     _add_model_args(g)

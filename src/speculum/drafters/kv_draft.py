@@ -7,10 +7,15 @@ of it (:class:`~speculum.runners.self_draft.DraftView`):
 - ``streaming``: StreamingLLM's first ``sink`` and last ``window`` (512) entries (Xiao et al. 2024);
 - ``snapkv``: those (``window`` 256), and on full-attention layers ``selected`` (512) entries per KV
   head from between them, the ones the prompt's last ``observe`` (32) tokens attend to most, picked
-  at the request's first draft step (SnapKV, Li et al. 2024): where the question's answer lies in
-  the middle of a long prompt, the draft still reads it.
- With a long
-prompt, a draft step then reads ``sink + window`` entries instead of the whole context, while the
+  once the prompt is in (SnapKV, Li et al. 2024): where the question's answer lies in the middle of
+  a long prompt, the draft still reads it;
+- ``quest``: the sinks and the last ``window`` (256), and on full-attention layers ``pages`` (32)
+  pages of ``page`` (16) entries per KV head from between them, picked at every draft forward and
+  layer by the upper bound of the draft's own attention scores over each page (Quest, Tang et al.
+  2024; the pages' key bounds are taken once the prompt is in): the selection follows what the
+  draft is writing, at the price of scoring the pages in every forward.
+
+With a long prompt, a draft step then reads a few hundred entries instead of the whole context, while the
 output is exactly full-cache decoding's. The draft's weights are also quantized, ``bits`` 4 (the
 default) or 8 (:mod:`speculum.drafters.quant_self`), cheaper still; ``bits=16`` drafts with the
 target's own weights. Drafting is
@@ -28,8 +33,9 @@ from ..runners.quantized import quantized_head, quantized_layers
 from ..runners.self_draft import DraftView, SelfDraft
 from .self_draft import SelfDrafter
 
-KV_DRAFT_POLICIES = ("streaming", "snapkv")
-KV_DRAFT_OPTIONS = ("sink", "window", "selected", "observe", "bits", "depth", "top_k")  # the integer options a spec may set
+KV_DRAFT_POLICIES = ("streaming", "snapkv", "quest")
+# the integer options a spec may set
+KV_DRAFT_OPTIONS = ("sink", "window", "selected", "observe", "pages", "page", "bits", "depth", "top_k")
 
 
 def kv_draft_options(spec: str) -> dict:
@@ -55,18 +61,19 @@ class KVDraftDrafter(SelfDrafter):
     name = "kv_draft"
 
     def __init__(self, target: torch.nn.Module, policy: str = "streaming", sink: int = 4, window: int | None = None,
-                 selected: int = 512, observe: int = 32, bits: int = 4, depth: int = 6, exit_confidence: float = 0.5,
-                 **options):
+                 selected: int = 512, observe: int = 32, pages: int = 32, page: int = 16, bits: int = 4, depth: int = 6,
+                 exit_confidence: float = 0.5, **options):
         if policy not in KV_DRAFT_POLICIES:
             raise SpeculumError(f"unknown kv-draft policy {policy!r}; choose from {', '.join(KV_DRAFT_POLICIES)}")
         if window is None:
             window = 512 if policy == "streaming" else 256
-        if sink < 0 or window < 1 or selected < 1 or observe < 1:
-            raise SpeculumError("a kv-draft view needs sink >= 0 and window, selected, observe >= 1 "
-                                f"(got {sink}, {window}, {selected}, {observe})")
+        if sink < 0 or min(window, selected, observe, pages, page) < 1:
+            raise SpeculumError("a kv-draft view needs sink >= 0 and window, selected, observe, pages, page >= 1 "
+                                f"(got {sink}, {window}, {selected}, {observe}, {pages}, {page})")
         super().__init__(target, depth=depth, exit_confidence=exit_confidence, **options)
         weights = head = None
         if bits != 16:
             weights, head = quantized_layers(self.decoder, bits), quantized_head(self.decoder, bits)
-        view = DraftView(sink, window, selected if policy == "snapkv" else 0, observe)
+        view = DraftView(sink, window, selected if policy == "snapkv" else 0, observe,
+                         pages=pages if policy == "quest" else 0, page=page)
         self.model = SelfDraft(self.decoder, weights=weights, head=head, view=view)

@@ -7,7 +7,8 @@ values the *target* computed for the committed tokens:
 - weight-only quantized copies of the linear layers and the LM head (a quantized self-draft);
 - a compressed view of the committed entries (long-context drafting, TriForce / MagicDec style):
   StreamingLLM's first ``sink`` and last ``window`` entries instead of all of them, and on
-  full-attention layers optionally SnapKV's selection from between them (:class:`DraftView`).
+  full-attention layers optionally SnapKV's selection from between them, or Quest's pages picked
+  per forward by the draft's own queries (:class:`DraftView`).
 
 Drafted tokens write their keys and values (of the layers that run) into the target cache's free
 slots after the committed ones, ``length + used ..``, where the verification forward writes its own
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import attention_probs, grouped, in_window, unfold_rows
+from ..attention import attention_probs, fold_queries, grouped, in_window, unfold_rows
 from ..cache import KVCache
 from ..cache.positioned import PositionedKVCache
 from ..cache.static import StaticKVCache
@@ -41,21 +42,33 @@ from .decoder import Layer, NativeDecoder
 class DraftView:
     """Which committed entries a draft reads: all (``window=None``), or the first ``sink`` and the
     last ``window`` (StreamingLLM's attention sinks and recent window), and on full-attention layers
-    also ``selected`` entries per KV head from between them, those the prompt's last ``observe``
-    tokens attend to most (SnapKV's selection, scores max-pooled over ``kernel`` neighbours), picked
-    once per request at its first draft step."""
+    also, from between them, either ``selected`` entries per KV head, those the prompt's last
+    ``observe`` tokens attend to most (SnapKV's selection, scores max-pooled over ``kernel``
+    neighbours), picked once per request after its prefill; or ``pages`` pages of ``page`` entries
+    per KV head, picked at every draft forward and layer by the upper bound of the rows' attention
+    scores over each page (Quest: the page's channel-wise key minimum and maximum, taken after the
+    prefill)."""
 
     sink: int = 4
     window: int | None = None
     selected: int = 0
     observe: int = 32
     kernel: int = 7
+    pages: int = 0
+    page: int = 16
 
     def spans(self, length: int) -> list[tuple[int, int]]:
         """Committed slot ranges ``[(lo, hi)]`` read with ``length`` committed entries."""
         if self.window is None or length <= self.sink + self.window:
             return [(0, length)]
         return [(0, self.sink), (length - self.window, length)]
+
+
+def page_bounds(qg: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound of each page's attention logit: ``sum_c max(q_c * min_c, q_c * max_c)``,
+    computed as two products (``q_c >= 0`` takes the maximum, ``q_c < 0`` the minimum).
+    ``qg [H_kv, R, d]`` folded query rows, ``kmin``, ``kmax [H_kv, d, P]`` -> ``[H_kv, R, P]``."""
+    return torch.matmul(qg.clamp(min=0), kmax) + torch.matmul(qg.clamp(max=0), kmin)
 
 
 def check_plain_cache(cache: KVCache, decoder: NativeDecoder, who: str) -> None:
@@ -94,6 +107,8 @@ class SelfDraft:
         """A new request: forget the last one's selection."""
         self.picked: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> k, v [H_kv, B, d]
         self.picked_slots: dict[int, torch.Tensor] = {}  # layer -> their slots [H_kv, B]
+        self.bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> key min, max [H_kv, d, P]
+        self.paged_from = 0  # with page bounds: the first page's slot
         self.recent = 0  # with a selection: committed slots from here on are all read
 
     def prepare(self, cache: KVCache, tokens: list[int]) -> None:
@@ -114,6 +129,34 @@ class SelfDraft:
             self._select(tokens)
             self.used = 0
             self.pending_pos = self.pending_pos[:0]
+        if self.bounds is None and v.pages and v.window is not None \
+                and cache.length >= v.sink + v.window + (v.pages + 1) * v.page:
+            self._bound()
+
+    @torch.inference_mode()
+    def _bound(self) -> None:
+        """Quest's page summaries for the draft: the committed slots from ``sink`` up to the last
+        ``window`` (whole pages only) cut into pages of ``page``, each full-attention layer's keys
+        reduced to their channel-wise minimum and maximum per page and KV head."""
+        v, kv = self.view, self.cache.kv
+        lo = v.sink
+        count = (self.cache.length - v.window - lo) // v.page
+        hi = lo + count * v.page
+        self.bounds = {}
+        for i, layer in enumerate(self.decoder.layers):
+            if not layer.sliding:
+                keys = kv[i, 0, :, lo:hi].unflatten(1, (count, v.page))  # [H_kv, P, page, d]
+                self.bounds[i] = (keys.amin(2).transpose(1, 2).contiguous(), keys.amax(2).transpose(1, 2).contiguous())
+        self.paged_from, self.recent = lo, hi
+
+    def _pages(self, i: int, q: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s slots to read for rows ``q [n, H, d]``: the ``pages`` pages of highest
+        bound (their best over rows and a KV head's query heads), as ``[H_kv, pages * page]``."""
+        v = self.view
+        bound = page_bounds(fold_queries(q, self.decoder.shape.kv_heads), *self.bounds[i]).amax(1)  # [H_kv, P]
+        top = bound.topk(min(v.pages, bound.shape[1]), dim=-1).indices.sort(-1).values  # [H_kv, pages]
+        first = self.paged_from + top * v.page
+        return (first[..., None] + torch.arange(v.page, device=q.device)).flatten(1)
 
     @torch.inference_mode()
     def _select(self, tokens: list[int]) -> None:
@@ -176,8 +219,10 @@ class SelfDraft:
             masks[True] = grouped(mask & in_window(key_pos, positions, s.sliding_window), s.group, dec.dtype)
         contiguous = len(spans) == 1 and spans[0][1] == cache.length
         picked = self.picked if committed is None else None
-        if picked:  # full-attention layers: sinks, the selection, everything committed since it
-            some = next(iter(picked.values()))[0].shape[1]
+        paged = self.bounds if committed is None else None
+        if picked or paged:  # full-attention layers: sinks, the selection, everything committed since it
+            some = next(iter(picked.values()))[0].shape[1] if picked else \
+                min(self.view.pages, next(iter(paged.values()))[0].shape[2]) * self.view.page
             seen_sel = self.view.sink + some + cache.length - self.recent
             masks[False] = grouped(torch.cat([torch.ones(n, seen_sel, dtype=torch.bool, device=dec.device), visible],
                                              dim=1), s.group, dec.dtype)
@@ -199,6 +244,10 @@ class SelfDraft:
                     return out
             if picked and not layer.sliding:
                 return dec.attend(q, selected(kv[i, 0], picked[i][0]), selected(kv[i, 1], picked[i][1]), masks[False])
+            if paged and not layer.sliding:
+                idx = self._pages(i, q)[..., None].expand(-1, -1, s.head_dim)  # [H_kv, B, d]
+                return dec.attend(q, selected(kv[i, 0], kv[i, 0].gather(1, idx)),
+                                  selected(kv[i, 1], kv[i, 1].gather(1, idx)), masks[False])
             return dec.attend(q, keys(kv[i, 0]), keys(kv[i, 1]), masks[layer.sliding])
 
         h = dec.embed_ids(ids)
