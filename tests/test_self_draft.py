@@ -166,16 +166,20 @@ def test_self_drafts_refuse_what_they_cannot_run():
         method.run(list(range(20)), 8)
 
 
+def _view_drafter_equals_ar(model, prompt: list[int], **view):
+    """A ``kv_draft`` drafter with ``view`` (the target's own weights) after a request on ``prompt``
+    whose output must equal ``ar``'s; returns it and the model's full-attention layers."""
+    drafter = DRAFTERS["kv_draft"].factory(target=model, sink=1, window=4, bits=16, **view)
+    engine = Engine(NativeRunner(model), drafter, eos_token_ids=[])
+    assert engine.generate(prompt, 24).tokens == build_method("ar", model, None).run(prompt, 24).tokens
+    return drafter, [i for i, layer in enumerate(drafter.decoder.layers) if not layer.sliding]
+
+
 @pytest.mark.parametrize("make", [make_llama, tiny_gemma3], ids=["llama", "gemma3"])
 def test_snapkv_view_picks_entries_on_full_attention_layers(make):
-    model = make()
-    drafter = DRAFTERS["kv_draft"].factory(target=model, policy="snapkv", sink=1, window=4, selected=3, observe=4,
-                                           bits=16)
-    engine = Engine(NativeRunner(model), drafter, eos_token_ids=[])
-    prompt = prompts(4, 1)[0] + list(range(20))
-    assert engine.generate(prompt, 24).tokens == build_method("ar", model, None).run(prompt, 24).tokens
+    drafter, full_layers = _view_drafter_equals_ar(make(), prompts(4, 1)[0] + list(range(20)),
+                                                   policy="snapkv", selected=3, observe=4)
     picked = drafter.model.picked
-    full_layers = [i for i, layer in enumerate(drafter.decoder.layers) if not layer.sliding]
     assert sorted(picked) == full_layers
     s = drafter.decoder.shape
     assert all(k.shape == v.shape == (s.kv_heads, 3, s.head_dim) for k, v in picked.values())
@@ -226,13 +230,9 @@ def test_quest_page_bounds_bound_every_score():
 
 @pytest.mark.parametrize("make", [make_llama, tiny_gemma3], ids=["llama", "gemma3"])
 def test_quest_view_reads_pages_on_full_attention_layers(make):
-    model = make()
-    drafter = DRAFTERS["kv_draft"].factory(target=model, policy="quest", sink=1, window=4, pages=2, page=3, bits=16)
-    engine = Engine(NativeRunner(model), drafter, eos_token_ids=[])
     prompt = prompts(4, 1)[0] + list(range(30))
-    assert engine.generate(prompt, 24).tokens == build_method("ar", model, None).run(prompt, 24).tokens
+    drafter, full_layers = _view_drafter_equals_ar(make(), prompt, policy="quest", pages=2, page=3)
     bounds = drafter.model.bounds
-    full_layers = [i for i, layer in enumerate(drafter.decoder.layers) if not layer.sliding]
     assert sorted(bounds) == full_layers
     s = drafter.decoder.shape
     count = (len(prompt) - 1 - 4 - 1) // 3  # whole pages between the sink and the window, after the prefill
