@@ -118,10 +118,11 @@ def test_gemma3_float32_lossless(gemma3_f32):
 
 
 # the self-drafters (and lookahead); kv_draft's window is shorter than the prompts, so its view really leaves entries out
-SELF_DRAFTS = {"swift": {}, "quant_self": {}, "kv_draft": {"window": 48}, "kv_draft_snapkv":
-               {"policy": "snapkv", "window": 24, "selected": 16, "observe": 8},
-               "kv_draft_quest": {"policy": "quest", "window": 16, "pages": 2, "page": 4},
-               "lookahead": {"adaptive": False}}  # its window's rows always run
+# name -> (method, options)
+SELF_DRAFTS = {"swift": ("swift", {}), "quant_self": ("quant_self", {}), "kv_draft": ("kv_draft", {"window": 48}),
+               "kv_draft_snapkv": ("kv_draft", {"policy": "snapkv", "window": 24, "selected": 16, "observe": 8}),
+               "kv_draft_quest": ("kv_draft", {"policy": "quest", "window": 16, "pages": 2, "page": 4}),
+               "lookahead": ("lookahead", {"adaptive": False})}  # its window's rows always run
 
 
 def _check_self_drafts(model, tok, prompts, chat, names=tuple(SELF_DRAFTS), new=NEW):
@@ -129,9 +130,8 @@ def _check_self_drafts(model, tok, prompts, chat, names=tuple(SELF_DRAFTS), new=
     for ids in (encode_prompt(tok, p, chat) for p in prompts):
         ref = build_method("ar", model, tok, runner=runner).run(ids, new).tokens
         for name in names:
-            options = SELF_DRAFTS[name]
-            method = build_method(name.removesuffix("_snapkv").removesuffix("_quest"), model, tok, runner=runner,
-                                  cost_model=FLAT_COST, **options)
+            kind, options = SELF_DRAFTS[name]
+            method = build_method(kind, model, tok, runner=runner, cost_model=FLAT_COST, **options)
             out = method.run(ids, new)
             assert out.tokens == ref, name
             assert out.mean_accepted > 1.0, name

@@ -108,7 +108,6 @@ class SelfDraft:
         self.picked: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> k, v [H_kv, B, d]
         self.picked_slots: dict[int, torch.Tensor] = {}  # layer -> their slots [H_kv, B]
         self.bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> key min, max [H_kv, d, P]
-        self.paged_from = 0  # with page bounds: the first page's slot
         self.recent = 0  # with a selection: committed slots from here on are all read
 
     def prepare(self, cache: KVCache, tokens: list[int]) -> None:
@@ -137,7 +136,8 @@ class SelfDraft:
     def _bound(self) -> None:
         """Quest's page summaries for the draft: the committed slots from ``sink`` up to the last
         ``window`` (whole pages only) cut into pages of ``page``, each full-attention layer's keys
-        reduced to their channel-wise minimum and maximum per page and KV head."""
+        reduced to their channel-wise minimum and maximum per page and KV head (called only with more
+        than ``pages`` whole pages there)."""
         v, kv = self.view, self.cache.kv
         lo = v.sink
         count = (self.cache.length - v.window - lo) // v.page
@@ -147,15 +147,15 @@ class SelfDraft:
             if not layer.sliding:
                 keys = kv[i, 0, :, lo:hi].unflatten(1, (count, v.page))  # [H_kv, P, page, d]
                 self.bounds[i] = (keys.amin(2).transpose(1, 2).contiguous(), keys.amax(2).transpose(1, 2).contiguous())
-        self.paged_from, self.recent = lo, hi
+        self.recent = hi
 
     def _pages(self, i: int, q: torch.Tensor) -> torch.Tensor:
         """Layer ``i``'s slots to read for rows ``q [n, H, d]``: the ``pages`` pages of highest
         bound (their best over rows and a KV head's query heads), as ``[H_kv, pages * page]``."""
         v = self.view
         bound = page_bounds(fold_queries(q, self.decoder.shape.kv_heads), *self.bounds[i]).amax(1)  # [H_kv, P]
-        top = bound.topk(min(v.pages, bound.shape[1]), dim=-1).indices.sort(-1).values  # [H_kv, pages]
-        first = self.paged_from + top * v.page
+        top = bound.topk(v.pages, dim=-1).indices.sort(-1).values  # [H_kv, pages]
+        first = v.sink + top * v.page  # the pages start after the sinks
         return (first[..., None] + torch.arange(v.page, device=q.device)).flatten(1)
 
     @torch.inference_mode()
@@ -221,8 +221,7 @@ class SelfDraft:
         picked = self.picked if committed is None else None
         paged = self.bounds if committed is None else None
         if picked or paged:  # full-attention layers: sinks, the selection, everything committed since it
-            some = next(iter(picked.values()))[0].shape[1] if picked else \
-                min(self.view.pages, next(iter(paged.values()))[0].shape[2]) * self.view.page
+            some = next(iter(picked.values()))[0].shape[1] if picked else self.view.pages * self.view.page
             seen_sel = self.view.sink + some + cache.length - self.recent
             masks[False] = grouped(torch.cat([torch.ones(n, seen_sel, dtype=torch.bool, device=dec.device), visible],
                                              dim=1), s.group, dec.dtype)
