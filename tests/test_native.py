@@ -273,3 +273,22 @@ def test_blocked_math_attention_matches_one_piece(monkeypatch, mask_shape, row_b
             assert torch.equal(pieces, whole)
         else:
             torch.testing.assert_close(pieces, whole, rtol=1e-6, atol=1e-6)
+
+
+def test_math_attention_takes_long_contexts_on_a_cpu(monkeypatch):
+    """A few rows go to SDPA over a short context and to the math path over a long one (scaled by the
+    kernel threads); GPUs always take SDPA. Both kernels give the same attention."""
+    from speculum import attention as att
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    long = 2 * att.MATH_ATTENTION_KEYS_PER_THREAD
+    assert not att.use_math_attention(3, cpu, 100) and not att.use_math_attention(3, cpu, long - 1)
+    assert att.use_math_attention(3, cpu, long) and att.use_math_attention(att.MATH_ATTENTION_MIN_ROWS, cpu, 10)
+    assert not att.use_math_attention(3, cuda, long) and not att.use_math_attention(64, cuda, 10)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 6, 16, generator=gen)  # [n, H, d]
+    k, v = (torch.randn(3, 9000, 16, generator=gen) for _ in range(2))  # [H_kv, L, d]
+    qg = att.fold_queries(q, 3)[None]
+    torch.testing.assert_close(att.folded_attention(qg, k[None], v[None], None, 0.25, math=True),
+                               att.folded_attention(qg, k[None], v[None], None, 0.25, math=False))

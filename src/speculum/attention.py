@@ -38,6 +38,9 @@ import torch
 # folded query rows from which the explicit float32 math path beats SDPA on a CPU (see
 # use_math_attention); BENCHMARKS.md has the measurements behind the bound
 MATH_ATTENTION_MIN_ROWS = 8
+# keys per kernel thread from which the math path also beats SDPA for fewer rows (decoding over a
+# long context) on a CPU; BENCHMARKS.md ("The attention kernel's range") has the measurements
+MATH_ATTENTION_KEYS_PER_THREAD = 2048
 # the math path's float32 scores are computed in pieces of at most this many bytes (prefill chunks
 # over long contexts): past a few MB the softmax passes leave the cache and run 3-4x slower
 SCORE_BLOCK_BYTES = 4 << 20
@@ -231,11 +234,16 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None
     return scores
 
 
-def use_math_attention(rows: int, device: torch.device) -> bool:
-    """Whether :func:`folded_attention` should take its math path for ``rows`` folded query rows:
-    on a CPU, from verification-sized inputs up (prefill chunks included: in blocks, it runs about
-    twice as fast as SDPA's CPU flash kernel)."""
-    return device.type == "cpu" and rows >= MATH_ATTENTION_MIN_ROWS
+def use_math_attention(rows: int, device: torch.device, keys: int = 0) -> bool:
+    """Whether :func:`folded_attention` should take its math path for ``rows`` folded query rows
+    over ``keys`` keys: on a CPU, from verification-sized inputs up (prefill chunks included: in
+    blocks, it runs about twice as fast as SDPA's CPU flash kernel), and for any rows over a long
+    context (from :data:`MATH_ATTENTION_KEYS_PER_THREAD` keys per kernel thread), where SDPA's flash
+    kernel, which splits a few query rows over the KV heads only, is slower than two matrix products
+    (1.19x the math path's forward at 8k keys on two threads, 1.25x at 4k on one)."""
+    if device.type != "cpu":
+        return False
+    return rows >= MATH_ATTENTION_MIN_ROWS or keys >= MATH_ATTENTION_KEYS_PER_THREAD * torch.get_num_threads()
 
 
 def folded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -306,7 +314,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     :func:`use_math_attention` picks the kernel, unless ``explicit`` asks for the math path whatever
     the row count (the reproducible mode: its rows are computed alike for any number of rows)."""
     qg = fold_queries(q, k.shape[0])
-    math = explicit or use_math_attention(qg.shape[1], q.device)
+    math = explicit or use_math_attention(qg.shape[1], q.device, k.shape[1])
     return unfold_rows(folded_attention(qg[None], k[None], v[None], mask, scale, math, softcap,
                                         row_blocks=not explicit)[0], q.shape[0])
 

@@ -52,8 +52,8 @@ def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     g = h // hkv
     q = query.reshape(b, hkv, g * n, d)  # heads h = kv*g + j, rows j*n + i
     scale = scaling if scaling is not None else d ** -0.5
-    out = folded_attention(q, key, value, attention_mask, scale, math=use_math_attention(g * n, query.device),
-                          row_blocks=True)
+    math = use_math_attention(g * n, query.device, key.shape[-2])
+    out = folded_attention(q, key, value, attention_mask, scale, math=math, row_blocks=True)
     return out.reshape(b, h, n, value.shape[-1]).transpose(1, 2), None
 
 
