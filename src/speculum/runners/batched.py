@@ -179,9 +179,7 @@ def batched_forward(decoder: NativeDecoder, pool_kv: torch.Tensor, rows: BatchRo
         qg = q if grp.dense else q.new_zeros(b * r, s.heads, d).index_copy_(0, grp.grid, q)
         qg = qg.view(b, r, s.kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b, s.kv_heads, g * r, d)
         keys, values = kv[0, grp.lo:grp.lo + b, :, :grp.keys], kv[1, grp.lo:grp.lo + b, :, :grp.keys]
-        # the long-context rule is measured for one sequence (several: SDPA splits over them too)
-        long_keys = grp.keys if b == 1 else 0
-        math = (floors is not None and not grp.prefill) or use_math_attention(g * r, pool_kv.device, long_keys)
+        math = (floors is not None and not grp.prefill) or use_math_attention(g * r, pool_kv.device, grp.keys)
         out = folded_attention(qg, keys, values, grp.masks[sliding], s.attn_scale, math, s.attn_softcap,
                                row_blocks=grp.prefill)
         out = out.view(b, s.kv_heads, g, r, d).permute(0, 3, 1, 2, 4).reshape(b * r, s.heads * d)
