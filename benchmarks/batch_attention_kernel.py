@@ -7,11 +7,11 @@ counterpart of ``decode_attention_kernel.py``.
 """
 
 import argparse
-import time
 
 import torch
+from decode_attention_kernel import kernel_medians  # this folder's script (run from here)
 
-from speculum import attention, load
+from speculum import load
 from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.engine import Engine, step
 from speculum.runners import runner_for
@@ -29,26 +29,14 @@ def main() -> None:
     engine = Engine(runner, AutoregressiveDrafter(), tok)
     print(f"{args.threads} kernel threads, torch {torch.__version__}")
     print("| B x L | math ms | SDPA ms | SDPA / math |\n|---|---:|---:|---:|")
-    kept = attention.MATH_ATTENTION_KEYS_PER_THREAD
-    try:
-        for shape in args.shapes.split(","):
-            b, length = (int(x) for x in shape.split("x"))
-            pool = runner.new_pool(b, length + 64)
-            decodings = [engine.start([100 + (i * 7 + j) % 5000 for j in range(length)], 40, cache=pool.acquire(),
-                                      drafter=engine.drafter.fork()) for i in range(b)]
-            times: dict[str, list[float]] = {"math": [], "sdpa": []}
-            for rep in range(9):
-                for kernel in ("math", "sdpa"):
-                    attention.MATH_ATTENTION_KEYS_PER_THREAD = 0 if kernel == "math" else 1 << 40
-                    t = time.perf_counter()
-                    step(decodings)
-                    if rep:  # the first round warms up
-                        times[kernel].append(time.perf_counter() - t)
-            m, s = (1e3 * sorted(times[k])[4] for k in ("math", "sdpa"))
-            print(f"| {b} x {length} | {m:.1f} | {s:.1f} | {s / m:.2f} |", flush=True)
-            del pool, decodings
-    finally:
-        attention.MATH_ATTENTION_KEYS_PER_THREAD = kept
+    for shape in args.shapes.split(","):
+        b, length = (int(x) for x in shape.split("x"))
+        pool = runner.new_pool(b, length + 64)
+        decodings = [engine.start([100 + (i * 7 + j) % 5000 for j in range(length)], 40, cache=pool.acquire(),
+                                  drafter=engine.drafter.fork()) for i in range(b)]
+        m, s = kernel_medians(lambda batch=decodings: step(batch), 9)
+        print(f"| {b} x {length} | {m:.1f} | {s:.1f} | {s / m:.2f} |", flush=True)
+        del pool, decodings
 
 
 if __name__ == "__main__":

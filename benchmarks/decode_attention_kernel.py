@@ -16,6 +16,27 @@ from speculum.runners import runner_for
 from speculum.tree import DraftTree
 
 
+def kernel_medians(run, rounds: int, reset=None) -> tuple[float, float]:
+    """``run()`` under the math path and under SDPA for few rows (``MATH_ATTENTION_KEYS_PER_THREAD``
+    set to 0 and to never), interleaved for ``rounds`` rounds, the first a warm-up, ``reset()`` (if
+    given) after each run, untimed: the median ms of each, (math, SDPA)."""
+    kept = attention.MATH_ATTENTION_KEYS_PER_THREAD
+    times: dict[str, list[float]] = {"math": [], "sdpa": []}
+    try:
+        for rep in range(rounds):
+            for kernel in ("math", "sdpa"):
+                attention.MATH_ATTENTION_KEYS_PER_THREAD = 0 if kernel == "math" else 1 << 40
+                t = time.perf_counter()
+                run()
+                if rep:
+                    times[kernel].append(time.perf_counter() - t)
+                if reset is not None:
+                    reset()
+    finally:
+        attention.MATH_ATTENTION_KEYS_PER_THREAD = kept
+    return tuple(1e3 * sorted(times[k])[len(times[k]) // 2] for k in ("math", "sdpa"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="512,1024,1536,2048,3072,4096,8000")
@@ -31,23 +52,14 @@ def main() -> None:
     tree = DraftTree.chain(list(range(200, 199 + args.rows)))
     print(f"{args.threads} kernel threads, {args.rows} row(s), torch {torch.__version__}")
     print("| cached tokens (longest first) | math ms | SDPA ms | SDPA / math |\n|---:|---:|---:|---:|")
-    kept = attention.MATH_ATTENTION_KEYS_PER_THREAD
-    try:
-        for length in sorted(contexts, reverse=True):  # a cache rolls back, never forward
-            times: dict[str, list[float]] = {"math": [], "sdpa": []}
-            for rep in range(8):
-                for kernel in ("math", "sdpa"):
-                    attention.MATH_ATTENTION_KEYS_PER_THREAD = 0 if kernel == "math" else 1 << 40
-                    cache.rollback(length)
-                    t = time.perf_counter()
-                    runner.forward(cache, 5, tree)
-                    if rep:  # the first round warms up
-                        times[kernel].append(time.perf_counter() - t)
-                    cache.commit([0])
-            m, s = (1e3 * sorted(times[k])[3] for k in ("math", "sdpa"))
-            print(f"| {length} | {m:.1f} | {s:.1f} | {s / m:.2f} |", flush=True)
-    finally:
-        attention.MATH_ATTENTION_KEYS_PER_THREAD = kept
+    for length in sorted(contexts, reverse=True):  # a cache rolls back, never forward
+        def reset(length: int = length) -> None:
+            cache.commit([0])
+            cache.rollback(length)
+
+        cache.rollback(length)
+        m, s = kernel_medians(lambda: runner.forward(cache, 5, tree), 8, reset)
+        print(f"| {length} | {m:.1f} | {s:.1f} | {s / m:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
