@@ -36,7 +36,7 @@ BATCH_SIZES = [1, 2, 4, 8, 16]  # sequences in one batched forward
 BATCH_ROWS = [1, 2, 4, 8]  # rows per sequence in it
 BATCH_CONTEXT = 256  # cached entries per sequence while the batch is timed
 REPEATS = 5
-FORMAT = 3  # bump when what is measured changes, so that stale cached curves are not reused
+FORMAT = 4  # bump when what is measured or how forwards run changes (4: float32 linears prepacked), so that stale cached curves are not reused
 
 # a reference acceptance profile for reporting the budget a cost curve implies: the scores of a
 # tree whose best nodes are accepted with probability 0.8, 0.7, ... decaying geometrically

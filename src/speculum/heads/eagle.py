@@ -170,7 +170,7 @@ class EagleHead(AttentionHead):
 
     def freeze(self) -> EagleHead:
         """Ready for drafting: q/k/v and gate/up fused into one product each, prepacked for oneDNN
-        where the weights are bfloat16 on a CPU that runs it (:func:`~speculum.runners.packed.packed_linear`).
+        on a CPU where that applies (:func:`~speculum.runners.packed.packed_linear`).
         Call again after the weights change."""
         self._fast = {
             "fc": self.fast(self.fc.weight, bias=self.fc.bias),

@@ -87,12 +87,12 @@ class DecoderShape:
 
 
 class Linear:
-    """``y = x W^T + b`` for ``x [n, in]``; bfloat16 CPU weights run prepacked by oneDNN
+    """``y = x W^T + b`` for ``x [n, in]``; bfloat16 and float32 CPU weights run prepacked by oneDNN
     (:func:`~speculum.runners.packed.packed_linear`), which then replaces the plain weight."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias  # [out, in], [out]
-        self.in_features = weight.shape[1]
+        self.in_features, self.dtype = weight.shape[1], weight.dtype
         self.packed = packed_linear(weight, bias)
         if self.packed is not None:
             self.weight = None  # the packed copy replaces it (frees the fused QKV / gate-up copies)

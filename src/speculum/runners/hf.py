@@ -9,8 +9,8 @@ well as chains. What makes it faster than ``model.generate``:
   KV head are folded into the query-length axis (``[1, H, n, D] -> [1, H_kv, g*n, D]``), so
   verifying ``n`` tokens never materialises ``repeat_kv`` copies of the cache, which transformers
   does whenever a mask is present;
-- bfloat16 linears run on oneDNN-prepacked weights where the CPU supports it
-  (:mod:`~speculum.runners.packed`).
+- bfloat16 and float32 CPU linears run on oneDNN-prepacked weights where torch has oneDNN (and,
+  for bfloat16, the CPU supports it) (:mod:`~speculum.runners.packed`).
 
 The model object is not modified: the attention function and the packed linears are switched in
 only for the duration of a runner forward, so ``model.generate`` (the ``hf`` baselines) still

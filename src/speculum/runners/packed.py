@@ -1,8 +1,10 @@
-"""oneDNN-prepacked linear layers for bfloat16 on CPUs with oneDNN bfloat16 support.
+"""oneDNN-prepacked linear layers on CPUs: bfloat16 where oneDNN has bfloat16 support, and float32.
 
 ``torch.ops.mkldnn._linear_pointwise`` on weights reordered once into oneDNN's blocked layout is
-several times faster than ``F.linear`` in bfloat16 for the 1-64 token inputs that decoding and
-verification feed (BENCHMARKS.md has the measurements). The packed copy costs one more copy of
+several times faster than ``F.linear`` for the 1-64 token inputs that decoding and verification
+feed: in bfloat16 always, in float32 above all for 2 or 3 rows, where ``F.linear`` runs a slow
+unblocked kernel (SmolLM2's float32 LM head: 23 ms for two rows against 5.4 ms packed; one row
+9.9 against 4.8 ms). BENCHMARKS.md has the measurements. The packed copy costs one more copy of
 the weights in memory unless it replaces the plain one. ``SPECULUM_PACKED_LINEAR=0`` disables it.
 """
 
@@ -16,12 +18,11 @@ from ..models import cpu_runs_bfloat16
 
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``x [..., in] -> [..., out]`` on oneDNN-prepacked weights for a bfloat16 CPU linear layer, or
-    None where that does not apply (another dtype or device, no oneDNN bfloat16 support, or
-    ``SPECULUM_PACKED_LINEAR=0``). The packed copy is made once, here."""
-    if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu"
-            or os.environ.get("SPECULUM_PACKED_LINEAR", "1") == "0"
-            or not cpu_runs_bfloat16()):
+    """``x [..., in] -> [..., out]`` on oneDNN-prepacked weights for a bfloat16 or float32 CPU linear
+    layer, or None where that does not apply (another dtype or device, a torch without oneDNN,
+    bfloat16 without oneDNN bfloat16 support, or ``SPECULUM_PACKED_LINEAR=0``). The packed copy is
+    made once, here."""
+    if not packs(weight.dtype, weight.device):
         return None
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
     bias = None if bias is None else bias.detach()
@@ -35,6 +36,15 @@ def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
         return y.reshape(*x.shape[:-1], out_features)
 
     return forward
+
+
+def packs(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
+    """Whether :func:`packed_linear` prepacks weights of this dtype on this device."""
+    if torch.device(device).type != "cpu" or os.environ.get("SPECULUM_PACKED_LINEAR", "1") == "0":
+        return False
+    if dtype == torch.bfloat16:
+        return cpu_runs_bfloat16()
+    return dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
 def fast_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):

@@ -30,11 +30,11 @@ _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> {
 def linear_weight(linear: Linear) -> torch.Tensor:
     """The weight ``[out, in]`` of a native :class:`Linear`, read back from its oneDNN-packed copy
     where the plain weight was dropped: the identity times ``W^T`` is exact; a layer with a bias
-    adds it inside the kernel, so subtracting it back is exact only to bfloat16 rounding (far below
-    what quantizing then loses)."""
+    adds it inside the kernel, so subtracting it back is exact only to the weight's rounding (far
+    below what quantizing then loses)."""
     if linear.weight is not None:
         return linear.weight.detach()
-    eye = torch.eye(linear.in_features, dtype=torch.bfloat16)
+    eye = torch.eye(linear.in_features, dtype=linear.dtype)
     out = linear.packed(eye)  # [in, out] = I W^T + b
     if linear.bias is not None:
         out = out - linear.bias
