@@ -292,3 +292,22 @@ def test_math_attention_takes_long_contexts_on_a_cpu(monkeypatch):
     qg = att.fold_queries(q, 3)[None]
     torch.testing.assert_close(att.folded_attention(qg, k[None], v[None], None, 0.25, math=True),
                                att.folded_attention(qg, k[None], v[None], None, 0.25, math=False))
+
+
+def test_float32_packing_takes_large_matrices_and_keeps_their_products():
+    """Float32 linears are prepacked from MIN_FLOAT32_PACKED weights (where oneDNN's blocked kernel
+    pays), tiny ones stay on F.linear, and a packed product equals F.linear's to float32 rounding
+    for one to many rows, the 2-3 row inputs F.linear handles slowest among them."""
+    from speculum.runners.packed import MIN_FLOAT32_PACKED, packed_linear, packs
+
+    torch.manual_seed(0)
+    assert packed_linear(torch.randn(64, 64)) is None
+    if not packs(torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    w, b = torch.randn(MIN_FLOAT32_PACKED // 512, 512), torch.randn(MIN_FLOAT32_PACKED // 512)
+    linear = packed_linear(w, b)
+    assert linear is not None
+    for rows in (1, 2, 3, 8, 40):
+        x = torch.randn(rows, 512)
+        torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert linear(torch.randn(2, 3, 512)).shape == (2, 3, MIN_FLOAT32_PACKED // 512)

@@ -132,11 +132,13 @@ def _dequantized(w: torch.Tensor, bits: int) -> torch.Tensor:
     return (torch.round((g - lo) / s).clamp(0, 15) * s + lo).view_as(w)
 
 
-def test_linear_weight_reads_back_a_packed_weight():
+@pytest.mark.parametrize("dtype, shape, atol", [(torch.bfloat16, (48, 32), 0.05), (torch.float32, (1024, 512), 1e-5)])
+def test_linear_weight_reads_back_a_packed_weight(dtype, shape, atol):
+    """Read back from the packed copy (bfloat16; float32 from MIN_FLOAT32_PACKED weights), or the plain one."""
     torch.manual_seed(0)
-    w, b = torch.randn(48, 32, dtype=torch.bfloat16), torch.randn(48, dtype=torch.bfloat16)
+    w, b = torch.randn(*shape, dtype=dtype), torch.randn(shape[0], dtype=dtype)
     assert torch.equal(linear_weight(Linear(w.clone())), w)
-    torch.testing.assert_close(linear_weight(Linear(w.clone(), b)), w, atol=0.05, rtol=0)
+    torch.testing.assert_close(linear_weight(Linear(w.clone(), b)), w, atol=atol, rtol=0)
 
 
 def test_swift_searches_a_layer_set_once_and_shares_it():

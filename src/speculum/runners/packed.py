@@ -16,13 +16,18 @@ import torch
 
 from ..models import cpu_runs_bfloat16
 
+# oneDNN's call costs ~15 us more than F.linear's: in float32 packing pays from about this many
+# weights (a 1024 x 256 matrix breaks even; a 576 x 576 one gains for 2+ rows, loses for one)
+MIN_FLOAT32_PACKED = 1 << 19
+
 
 def packed_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
     """``x [..., in] -> [..., out]`` on oneDNN-prepacked weights for a bfloat16 or float32 CPU linear
     layer, or None where that does not apply (another dtype or device, a torch without oneDNN,
-    bfloat16 without oneDNN bfloat16 support, or ``SPECULUM_PACKED_LINEAR=0``). The packed copy is
-    made once, here."""
-    if not packs(weight.dtype, weight.device):
+    bfloat16 without oneDNN bfloat16 support, a float32 matrix under :data:`MIN_FLOAT32_PACKED`
+    weights, or ``SPECULUM_PACKED_LINEAR=0``). The packed copy is made once, here."""
+    if not packs(weight.dtype, weight.device) or (weight.dtype == torch.float32
+                                                   and weight.numel() < MIN_FLOAT32_PACKED):
         return None
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
     bias = None if bias is None else bias.detach()
