@@ -311,3 +311,33 @@ def test_float32_packing_takes_large_matrices_and_keeps_their_products():
         x = torch.randn(rows, 512)
         torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
     assert linear(torch.randn(2, 3, 512)).shape == (2, 3, MIN_FLOAT32_PACKED // 512)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_attention_over_a_nearly_full_buffer_spans_it(kind, monkeypatch):
+    """A step over most of a KV buffer attends over the whole (contiguous) buffer with the slots past
+    its keys masked, instead of copying a slice of it: the logits equal those of the same step in a
+    roomy buffer, also after a rollback has left stale entries in the masked slots (float32)."""
+    from speculum import attention as att
+
+    model = _tiny(kind, seed=3)
+    runner = NativeRunner(model)
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, TINY_VOCAB) for _ in range(4 * WINDOW * 3)]  # past the sliding window
+    tree = DraftTree([rng.randrange(3, TINY_VOCAB) for _ in range(9)], [-1, 0, 0, 1, 2, 2, 3, 6, 7])
+    rows = (len(tree.tokens) + 1) * model.config.num_attention_heads // model.config.num_key_value_heads
+    tight = len(prompt) + len(tree.tokens) + 1 + 4  # 4 slots to spare: within 1/SPAN_SLACK
+    assert att.capacity_span(tight - 4, tight, rows, torch.device("cpu"))
+    taken = []
+    real = att.span_mask
+    monkeypatch.setattr("speculum.runners.decoder.span_mask", lambda *a: taken.append(a) or real(*a))
+    logits = {}
+    for capacity in (tight, 4 * tight):
+        cache = runner.new_cache(capacity)
+        runner.prefill(cache, prompt)
+        first = runner.forward_tree(cache, 7, tree)
+        cache.pending = 0  # a rollback: the drafted entries stay behind, masked
+        logits[capacity] = (first, runner.forward_tree(cache, 8, DraftTree.chain(tree.tokens[:7])))
+    assert taken, "the tight buffer was not spanned"
+    for a, b in zip(logits[tight], logits[4 * tight]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

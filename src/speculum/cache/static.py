@@ -30,7 +30,9 @@ class StaticKVCache(KVCache):
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
                  capacity: int, buffer: torch.Tensor | None = None):
         self.fixed = buffer is not None
-        self.kv = buffer if buffer is not None else torch.empty(
+        # zeros: attention may span the whole buffer, masking the slots past the keys
+        # (:func:`~speculum.attention.capacity_span`), so they must hold finite numbers
+        self.kv = buffer if buffer is not None else torch.zeros(
             (layers, 2, kv_heads, capacity, head_dim), dtype=dtype, device=device)
         super().__init__(self.kv.device)
         self.dtype = self.kv.dtype
@@ -44,7 +46,7 @@ class StaticKVCache(KVCache):
             raise ValueError(f"this cache holds {self.capacity} entries; {self.capacity + extra} were asked for")
         shape = list(self.kv.shape)
         shape[3] += extra
-        new = torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device)
+        new = torch.zeros(shape, dtype=self.kv.dtype, device=self.kv.device)
         new[:, :, :, : self.length].copy_(self.kv[:, :, :, : self.length])
         self.kv = new
 
