@@ -255,9 +255,9 @@ def capacity_span(keys: int, capacity: int, rows: int, device: torch.device) -> 
 
     On a CPU's math path (:func:`use_math_attention` for ``rows`` folded rows) a slice of the
     buffer is not contiguous, and its keys and values are copied before the two matrix products,
-    in every layer; the whole buffer is contiguous. That copy is most of a long context's attention
-    cost: at 8,000 cached tokens a one-token forward took 44.5 ms with it against 38.3 ms
-    without, a 7-token one 112 against 68 ms (BENCHMARKS.md). Taken where at most
+    in every layer; the whole buffer is contiguous. At 8,000 cached tokens (SmolLM2, bfloat16, 2
+    threads) a one-token forward runs 1.10x faster without the copy, a 7-token one 1.03x, and
+    full-cache decoding 1.14x (BENCHMARKS.md, "Decode core: no copied KV slices"). Taken where at most
     ``1/SPAN_SLACK`` of the buffer lies beyond ``keys``, so that the masked slots cost less than
     the copy. The slots past ``keys`` must hold finite numbers (the caches zero their buffers)."""
     return keys < capacity and (capacity - keys) * SPAN_SLACK <= keys and use_math_attention(rows, device, keys)
