@@ -341,3 +341,11 @@ def test_attention_over_a_nearly_full_buffer_spans_it(kind, monkeypatch):
     assert taken, "the tight buffer was not spanned"
     for a, b in zip(logits[tight], logits[4 * tight]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # end to end: the engine's buffer (prompt + reply + tree room) fills up, and its trees, spanned
+    # in the late steps, give ar's greedy tokens (ar's one-token steps over a short context do not span)
+    prompt = prompt[:150]
+    ref = Engine(runner, AutoregressiveDrafter()).generate(prompt, 48).tokens
+    taken.clear()
+    drafter = OracleDrafter(prompt + ref, TINY_VOCAB, max_len=8, shape="tree", seed=5)
+    assert Engine(runner, drafter, max_tree=8).generate(prompt, 48).tokens == ref
+    assert taken, "no step was spanned"

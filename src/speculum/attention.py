@@ -268,8 +268,7 @@ def span_mask(mask: torch.Tensor | None, keys: int, capacity: int, dtype: torch.
     """An additive mask ``[..., R, keys]`` (or None: every key visible) extended to ``[..., R, capacity]``
     (``[1, capacity]`` from None), the slots past ``keys`` hidden: see :func:`capacity_span`."""
     if mask is None:
-        return torch.zeros(1, capacity, dtype=dtype, device=device).index_fill_(
-            1, torch.arange(keys, capacity, device=device), float("-inf"))
+        mask = torch.zeros(1, keys, dtype=dtype, device=device)
     return torch.nn.functional.pad(mask, (0, capacity - keys), value=float("-inf"))
 
 
