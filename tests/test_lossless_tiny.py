@@ -16,6 +16,7 @@ from speculum.drafters.draft_model import DraftModelDrafter
 from speculum.drafters.ngram import NgramDrafter
 from speculum.engine import Engine
 from speculum.runners import HFRunner, NativeRunner
+from speculum.tree import DraftTree
 from speculum.tree_sizing import CostModel, TreeSizer
 from speculum.verify import Acceptance, Verifier
 
@@ -133,6 +134,39 @@ def test_self_draft_accepts_everything():
     out = Engine(runner, DraftModelDrafter(model, num_draft=4, adaptive=False), eos_token_ids=[]).generate(
         [1, 2, 3], 30)
     assert out.mean_accepted > 4.5  # 4 drafted + 1 bonus per step, except where max_new_tokens cuts
+
+
+def _first_new_token_at(ref: list[int], start: int) -> int:
+    """The first index from ``start`` whose token did not occur before it in ``ref``."""
+    return next(i for i in range(start, len(ref)) if ref[i] not in ref[:i])
+
+
+def test_nothing_is_drafted_or_verified_past_an_end_token():
+    """A request's EOS ends it: the engine cuts drafted nodes below an EOS node before verifying, and
+    a drafter that pays a forward per depth stops drafting at one; the output is ``ar``'s."""
+    model = tiny_llama()
+    runner = NativeRunner(model)
+    prompt = [1, 2, 3]
+    ref = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[]).generate(prompt, 30).tokens
+    end = _first_new_token_at(ref, 4)
+    want = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[ref[end]]).generate(prompt, 30).tokens
+    assert want == ref[:end + 1]
+
+    class Truth(OracleDrafter):  # the true continuation, 8 tokens, past the end token too
+        def propose(self, tokens, budget):
+            return DraftTree.chain(self.reference[len(tokens):len(tokens) + min(8, budget)])
+
+    out = Engine(runner, Truth(prompt + ref, TINY_VOCAB), eos_token_ids=[ref[end]]).generate(prompt, 30)
+    assert out.tokens == want
+    assert all(s.drafted <= s.committed for s in out.steps)  # nothing verified past the end
+
+    drafter = DraftModelDrafter(model, num_draft=8, adaptive=False)  # the target drafting for itself
+    forwards = []
+    inner = drafter.runner.forward_tree
+    drafter.runner.forward_tree = lambda *a, **k: forwards.append(1) or inner(*a, **k)
+    out = Engine(runner, drafter, eos_token_ids=[ref[end]]).generate(prompt, 30)
+    assert out.tokens == want
+    assert len(forwards) == sum(s.drafted for s in out.steps) <= len(want)  # one forward per drafted token, none past
 
 
 class OffByOneVerifier(Verifier):

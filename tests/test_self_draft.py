@@ -9,12 +9,14 @@ import torch
 from conftest import TINY_VOCAB, batched_join_midway, tiny_gemma3, tiny_llama
 from test_sampling import VOCAB, chi2_pvalue, exact_joint, sample_pairs
 
+from speculum.attention import grouped
 from speculum.drafters import DRAFTERS
 from speculum.engine import Engine
 from speculum.errors import SpeculumError
 from speculum.kv import make_policy
 from speculum.methods import build_method
 from speculum.runners import NativeRunner
+from speculum.runners import self_draft as self_draft_runner
 from speculum.runners.decoder import Linear
 from speculum.runners.quantized import QuantLinear, linear_weight
 from speculum.runners.self_draft import page_bounds
@@ -214,6 +216,60 @@ def test_snapkv_selection_is_the_observation_windows_top_entries():
             rest = torch.ones(hi - lo, dtype=torch.bool)
             rest[chosen] = False
             assert pooled[h, chosen].min() >= pooled[h, rest].max() - 1e-5
+
+
+def _view_reference(draft, ids: list[int]) -> torch.Tensor:
+    """Logits ``[n, V]`` of draft rows ``ids`` after the committed tokens, each row seeing the rows
+    before it, computed by gathering from the target's cache what the view reads: the first
+    ``sink`` slots, the selected ones, then every slot from ``recent`` on (Llama: full attention
+    only)."""
+    dec, v, cache = draft.decoder, draft.view, draft.cache
+    kv, length, n = cache.kv, cache.length, len(ids)
+    d = dec.shape.head_dim
+
+    def attend(i, layer, q, k, val):
+        slots = [torch.arange(v.sink).expand(dec.shape.kv_heads, -1)]
+        if draft.picked_slots:
+            slots.append(draft.picked_slots[i])
+        slots.append(torch.arange(draft.recent, length).expand(dec.shape.kv_heads, -1))
+        idx = torch.cat(slots, dim=1)[..., None].expand(-1, -1, d)  # [H_kv, S, d]
+        keys = torch.cat([kv[i, 0].gather(1, idx), k.transpose(0, 1)], dim=1)
+        values = torch.cat([kv[i, 1].gather(1, idx), val.transpose(0, 1)], dim=1)
+        mask = torch.cat([torch.ones(n, idx.shape[1], dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
+        return dec.attend(q, keys, values, grouped(mask, dec.shape.group, dec.dtype))
+
+    with torch.inference_mode():
+        return dec.forward_with(torch.tensor(ids), torch.arange(length, length + n), attend).logits
+
+
+@pytest.mark.parametrize("slack", [None, 0], ids=["spare", "growing"])
+@pytest.mark.parametrize("policy,new", [("snapkv", 20), ("streaming", 90)])
+def test_view_buffer_holds_what_the_view_reads(policy, new, slack, monkeypatch):
+    """A streaming or snapkv view's draft rows read its own buffer: their logits are those of
+    attention over the view's entries gathered from the target's cache (float32), after tokens were
+    committed past the selection, past a streaming window's restart, and with the buffer growing."""
+    if slack is not None:
+        monkeypatch.setattr(self_draft_runner, "BUFFER_SLACK", slack)
+    model = make_llama()
+    window = 4
+    drafter = DRAFTERS["kv_draft"].factory(target=model, policy=policy, sink=1, window=window, selected=3, observe=4,
+                                           bits=16)
+    prompt = prompts(4, 1)[0] + list(range(20))
+    out = Engine(NativeRunner(model), drafter, eos_token_ids=[]).generate(prompt, new)
+    assert out.tokens == build_method("ar", model, None).run(prompt, new).tokens
+    draft, cache = drafter.model, drafter.target_cache
+    length = cache.length
+    draft.begin(cache, 3)
+    assert draft.buffer is not None and draft.buffer.synced == length
+    if policy == "streaming":
+        assert draft.recent > len(prompt) - 1 - window  # the window restarted during the request
+        assert length - draft.recent <= window + self_draft_runner.REBASE_SLACK
+    else:
+        assert draft.recent < len(prompt) - 1 and draft.picked_slots
+    ids = [5, 9, 2]
+    got = [draft.run(torch.tensor([t]), torch.tensor([length + r]), torch.ones(1, r + 1, dtype=torch.bool))
+           for r, t in enumerate(ids)]
+    torch.testing.assert_close(torch.cat(got), _view_reference(draft, ids), rtol=1e-5, atol=1e-5)
 
 
 def test_quest_page_bounds_bound_every_score():

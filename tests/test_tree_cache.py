@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from speculum.drafters.dynamic_tree import DynamicTree
 from speculum.runners import HFRunner
 from speculum.tree import DraftTree
 
@@ -25,6 +26,24 @@ def test_branching_tree_mask():
     assert m[4].tolist() == [True, False, False, True, True]
     with pytest.raises(ValueError):
         DraftTree([1, 2], [1, -1])
+
+
+def test_cut_after_drops_what_follows_an_end_token():
+    # 0 -> 1 (end) -> 2 -> 3, 1 -> 4; 0 -> 5; root -> 6 (end) -> 7
+    t = DraftTree([10, 99, 12, 13, 14, 15, 99, 17], [-1, 0, 1, 2, 1, 0, -1, 6], scores=[.9, .8, .7, .6, .5, .4, .3, .2],
+                  tags=list("abcdefgh"))
+    cut = t.cut_after({99})
+    assert cut.tokens == [10, 99, 15, 99] and cut.parents == [-1, 0, 0, -1]
+    assert cut.scores == [.9, .8, .4, .3] and cut.tags == list("abfg")
+    assert t.cut_after({98}) is t and t.cut_after(set()) is t
+    assert DraftTree.chain([99, 1]).cut_after({99}).tokens == [99]
+
+
+def test_dynamic_trees_do_not_grow_below_an_end_token():
+    grow = DynamicTree(top_k=2, ends=frozenset({7}))
+    level = grow.add_children([-1], torch.log(torch.tensor([[0.0, 0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 0.9]])))
+    assert [grow.tokens[i] for i in level] == [7, 1]
+    assert [grow.tokens[i] for i in grow.frontier(level)] == [1]  # the likelier node ends the request
 
 
 def _full_logits(model, seq):

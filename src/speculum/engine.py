@@ -229,6 +229,7 @@ class Decoding:
             # the drafter's start reads the prompt (a head's pass over its hidden states, a
             # compressed view's selection): prompt processing, timed with the prefill
             t = time.perf_counter()
+            self.drafter.end_ids = frozenset(self.stops.eos_ids)
             self.drafter.reset(self.prompt, self.verifier.params, self.verifier.generator)
             if self.drafter.reads_cache:
                 self.drafter.see_cache(self.cache)
@@ -246,6 +247,7 @@ class Decoding:
         tree = self.drafter.propose(self.tokens, self.room)
         if len(tree) > self.room:
             raise RuntimeError(f"{self.drafter.name} drafted {len(tree)} nodes with a budget of {self.room}")
+        tree = tree.cut_after(self.stops.eos_ids)  # nothing after an EOS can be committed: no rows for it
         self.scored = tree.scores is not None
         return self.guide.shape(tree, self.room)
 

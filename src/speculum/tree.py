@@ -129,6 +129,16 @@ class DraftTree:
             mask[i + 1, i + 1] = True
         return mask
 
+    def cut_after(self, ends: set[int] | frozenset[int]) -> DraftTree:
+        """The tree without the descendants of nodes whose token is in ``ends`` (a request's EOS ids:
+        what follows one can never be committed); the tree itself where there are none."""
+        if not ends or not any(t in ends for t in self.tokens):
+            return self
+        dead: list[bool] = []
+        for i, p in enumerate(self.parents):  # creation order is topological
+            dead.append(p >= 0 and (dead[p] or self.tokens[p] in ends))
+        return self.subtree([i for i, d in enumerate(dead) if not d])
+
     def subtree(self, keep: list[int]) -> DraftTree:
         """The tree restricted to nodes ``keep`` (increasing, closed under taking parents)."""
         new_index = {old: new for new, old in enumerate(keep)}

@@ -79,6 +79,7 @@ class AutoDrafter(Drafter):
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
         for d in (self.suffix, self.recycling, self.ngram, *self.learned.values()):
+            d.end_ids = self.end_ids
             d.reset(prompt_ids, params, generator)
         self.rates.halve()
         self.chosen = []

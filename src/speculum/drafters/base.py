@@ -28,6 +28,9 @@ class Drafter(ABC):
     # whether this drafter reads the target's KV cache (a self-draft); the engine then hands it over
     # through :meth:`see_cache`
     reads_cache: bool = False
+    # tokens that end the request (its EOS ids), set by the engine before :meth:`reset`: nothing
+    # drafted after one can be committed, so drafters that pay a forward per depth stop there
+    end_ids: frozenset[int] = frozenset()
 
     def reset(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
         """Start a new request. ``params`` and ``generator`` are the engine's (for sampled drafts)."""

@@ -118,6 +118,8 @@ class DraftModelDrafter(Drafter):
             drafted.append(nxt)
             deciles.append(min(int(float(probs[nxt]) * 10), 9))
             last = nxt
+            if nxt in self.end_ids:  # nothing after it can be committed
+                break
             if self.stop_risk is not None:
                 survive *= self.rates.p(deciles[-1])
                 if 1.0 - survive > self.stop_risk:
@@ -129,7 +131,7 @@ class DraftModelDrafter(Drafter):
     def _tree(self, root: int, depth: int, budget: int) -> DraftTree:
         """EAGLE-2's dynamic tree from the draft model: one forward per depth over the root and the
         nodes expanded so far (each row sees its ancestors); the draft cache keeps only the root."""
-        grow = DynamicTree(self.top_k, self.min_path_prob)
+        grow = DynamicTree(self.top_k, self.min_path_prob, self.end_ids)
         logits = self.runner.forward_tree(self.cache, root, DraftTree())  # [1, V]
         level = grow.add_children([-1], torch.log_softmax(logits.float(), -1))
         for _ in range(1, depth):

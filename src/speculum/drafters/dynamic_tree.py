@@ -32,8 +32,8 @@ from ..tree import DraftTree
 class DynamicTree:
     """One step's growing tree: ``tokens``, ``parents`` and ``scores`` ``[n]`` of the nodes made so far."""
 
-    def __init__(self, top_k: int, min_path_prob: float = 0.0):
-        self.top_k = top_k
+    def __init__(self, top_k: int, min_path_prob: float = 0.0, ends: frozenset[int] = frozenset()):
+        self.top_k, self.ends = top_k, ends
         self.min_log_prob = math.log(min_path_prob) if min_path_prob > 0 else -math.inf
         self.tokens: list[int] = []
         self.parents: list[int] = []
@@ -56,9 +56,10 @@ class DynamicTree:
         return made
 
     def frontier(self, level: list[int]) -> list[int]:
-        """The nodes of ``level`` to expand next: the ``top_k`` best above ``min_path_prob``."""
+        """The nodes of ``level`` to expand next: the ``top_k`` best above ``min_path_prob``, none
+        whose token is one of ``ends`` (the request's EOS ids: nothing after one can be committed)."""
         best = sorted(level, key=lambda i: -self.scores[i])[:self.top_k]
-        return [i for i in best if self.scores[i] >= self.min_log_prob]
+        return [i for i in best if self.scores[i] >= self.min_log_prob and self.tokens[i] not in self.ends]
 
     def confident(self, nodes: list[int], min_prob: float) -> list[int]:
         """The ``nodes`` whose own token, given its parent, has probability at least ``min_prob`` (the

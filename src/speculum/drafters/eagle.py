@@ -109,7 +109,7 @@ class EagleDrafter(Drafter):
             nxt = int(torch.multinomial(q, 1, generator=self.generator))
             drafted.append(nxt)
             qs.append(q)
-            if i + 1 == k:
+            if i + 1 == k or nxt in self.end_ids:
                 break
             c = self.cache
             visible = torch.zeros(1, c.used + 1, dtype=torch.bool, device=self.device)
@@ -123,7 +123,7 @@ class EagleDrafter(Drafter):
 
     def _tree(self, root_feat: torch.Tensor, root_pos: int, budget: int) -> DraftTree:
         c = self.cache
-        grow = DynamicTree(self.top_k, self.min_path_prob)
+        grow = DynamicTree(self.top_k, self.min_path_prob, self.end_ids)
         slot: dict[int, int] = {}  # node -> its entry in the head's cache (expanded nodes)
         anc: dict[int, list[int]] = {-1: []}  # node -> cache slots of its expanded ancestors
         level = grow.add_children([-1], torch.log_softmax(self.tables.logits(root_feat[None]).float(), -1),

@@ -41,7 +41,7 @@ class HydraDrafter(HeadDrafter):
                 path.append(int(torch.multinomial(q, 1, generator=self.generator)))
                 qs.append(q)
             return DraftTree.chain(path[1:], torch.stack(qs))
-        grow = DynamicTree(self.top_k, self.min_path_prob)
+        grow = DynamicTree(self.top_k, self.min_path_prob, self.end_ids)
         level = grow.add_children([-1], torch.log_softmax(self._logits(1, [[root]]), -1), self.token_ids)
         for k in range(2, depth + 1):
             frontier = grow.frontier(level)

@@ -111,7 +111,7 @@ class KangarooDrafter(Drafter):
             q = self.params.probs(logits)
             drafted.append(int(torch.multinomial(q, 1, generator=self.generator)))
             qs.append(q)
-            if i + 1 == k:
+            if i + 1 == k or drafted[-1] in self.end_ids:
                 break
             used = self.shallow.used
             visible = torch.ones(1, used + 1, dtype=torch.bool, device=self.device)
@@ -119,7 +119,7 @@ class KangarooDrafter(Drafter):
         return DraftTree.chain(drafted, torch.stack(qs))
 
     def _tree(self, root_feat: torch.Tensor, root_pos: int, budget: int) -> DraftTree:
-        grow = DynamicTree(self.top_k, self.min_path_prob if self.top_k > 1 else 0.0)
+        grow = DynamicTree(self.top_k, self.min_path_prob if self.top_k > 1 else 0.0, self.end_ids)
         slot: dict[int, int] = {}  # expanded node -> its pending slot (in both caches)
         anc: dict[int, list[int]] = {-1: []}  # node -> pending slots of its expanded ancestors
         level = grow.add_children([-1], self._logp(root_feat[None]), self._token_ids)

@@ -32,6 +32,7 @@ class MixDrafter(Drafter):
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
         for s in self.sources:
+            s.end_ids = self.end_ids
             s.reset(prompt_ids, params, generator)
 
     def propose(self, tokens: list[int], budget: int) -> DraftTree:

@@ -106,14 +106,14 @@ class SelfDrafter(Drafter):
             tok = int(torch.multinomial(q, 1, generator=self.generator))
             drafted.append(tok)
             qs.append(q)
-            if i + 1 == k or float(q[tok]) < self.exit_confidence:
+            if i + 1 == k or float(q[tok]) < self.exit_confidence or tok in self.end_ids:
                 break
             visible = torch.ones(1, model.used + 1, dtype=torch.bool, device=self.device)
             logits = model.run(self._ids([tok]), self._pos([root_pos + i + 1]), visible)[0]
         return DraftTree.chain(drafted, torch.stack(qs))
 
     def _tree(self, model: SelfDraft, root_logits: torch.Tensor, root_pos: int, depth: int, budget: int) -> DraftTree:
-        grow = DynamicTree(self.top_k, self.min_path_prob if self.top_k > 1 else 0.0)
+        grow = DynamicTree(self.top_k, self.min_path_prob if self.top_k > 1 else 0.0, self.end_ids)
         slot: dict[int, int] = {-1: 0}  # node -> its pending slot (the root's is 0)
         anc: dict[int, list[int]] = {-1: [0]}  # node -> pending slots of its ancestors, the root's included
         level = grow.add_children([-1], torch.log_softmax(root_logits[None].float(), -1))

@@ -13,7 +13,11 @@ values the *target* computed for the committed tokens:
 Drafted tokens write their keys and values (of the layers that run) into the target cache's free
 slots after the committed ones, ``length + used ..``, where the verification forward writes its own
 entries next: nothing of the target's state changes, and no second cache or catch-up prefill is
-needed. Rows see the committed entries of the view, their ancestors among the pending draft
+needed. A StreamingLLM or SnapKV view keeps what its full-attention layers read in a small
+contiguous buffer of its own instead (:class:`ViewBuffer`): the sinks, the selection and the
+recent entries copied once, each step adding only the entries committed since the last, and the
+draft's rows writing there; gathering the view from the target's cache in every forward (two
+concatenations per layer) cost about as much as the attention over it. Rows see the committed entries of the view, their ancestors among the pending draft
 entries (``visible``), and themselves; sliding-window layers apply their window.
 
 Works on the plain KV caches where slot ``c`` holds position ``c`` (the static cache and a batch
@@ -57,11 +61,70 @@ class DraftView:
     pages: int = 0
     page: int = 16
 
+    @property
+    def buffered(self) -> bool:
+        """Whether the full-attention layers read a :class:`ViewBuffer` (a window, no Quest pages)."""
+        return self.window is not None and not self.pages
+
     def spans(self, length: int) -> list[tuple[int, int]]:
         """Committed slot ranges ``[(lo, hi)]`` read with ``length`` committed entries."""
         if self.window is None or length <= self.sink + self.window:
             return [(0, length)]
         return [(0, self.sink), (length - self.window, length)]
+
+
+# a StreamingLLM view's buffer keeps the entries committed since its window began until it holds
+# this many more than ``window``, then starts again from the last ``window``
+REBASE_SLACK = 64
+# spare slots a view buffer is allocated with beyond what a step needs (fewer reallocations)
+BUFFER_SLACK = 128
+
+
+class ViewBuffer:
+    """What a view's full-attention layers read, contiguous: ``kv [F, 2, H_kv, C, d]`` for the ``F``
+    full-attention layers (``layers``: their indices in the decoder), slots ``0 .. length - 1``
+    the committed entries of the view (the target's first ``sink`` entries, the selected ones if
+    any, then every committed entry from slot ``recent`` of the target's cache on), then the draft
+    rows' pending entries. Attention over a slice of it reads no gathered copy.
+
+    The target's committed entries are copied in, never recomputed: the buffer reads what the
+    target's cache holds, as the view did before."""
+
+    def __init__(self, target_kv: torch.Tensor, layers: list[int], sink: int, middle: torch.Tensor | None,
+                 recent: int, capacity: int):
+        """``target_kv [layers, 2, H_kv, C, d]`` the target cache's buffer; ``middle [F, 2, H_kv, B, d]``
+        the selected entries (or None); ``recent`` the first target slot read in full from here on."""
+        shape = target_kv.shape
+        self.layers = layers
+        self.index = torch.tensor(layers, device=target_kv.device)
+        self.kv = torch.zeros(len(layers), 2, shape[2], capacity, shape[4], dtype=target_kv.dtype,
+                              device=target_kv.device)
+        self.kv[:, :, :, :sink] = target_kv[self.index, :, :, :sink]
+        self.length = sink
+        if middle is not None:
+            self.kv[:, :, :, sink:sink + middle.shape[3]] = middle
+            self.length += middle.shape[3]
+        self.fixed = self.length  # sinks and selection: never replaced
+        self.synced = recent  # target slots before this one are in the buffer (from ``recent`` on)
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[3]
+
+    def sync(self, target_kv: torch.Tensor, length: int, rows: int) -> None:
+        """Copy the target's entries committed since the last call (slots ``synced .. length``) and
+        make room for ``rows`` pending draft entries after them."""
+        new = length - self.synced
+        need = self.length + new + rows
+        if need > self.capacity:
+            grown = torch.zeros(*self.kv.shape[:3], need + BUFFER_SLACK, self.kv.shape[4], dtype=self.kv.dtype,
+                                device=self.kv.device)
+            grown[:, :, :, :self.length] = self.kv[:, :, :, :self.length]
+            self.kv = grown
+        if new > 0:
+            self.kv[:, :, :, self.length:self.length + new] = target_kv[self.index, :, :, self.synced:length]
+            self.length += new
+            self.synced = length
 
 
 def page_bounds(qg: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -109,6 +172,7 @@ class SelfDraft:
         self.picked_slots: dict[int, torch.Tensor] = {}  # layer -> their slots [H_kv, B]
         self.bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> key min, max [H_kv, d, P]
         self.recent = 0  # with a selection: committed slots from here on are all read
+        self.buffer: ViewBuffer | None = None  # what full-attention layers read (a buffered view)
 
     def prepare(self, cache: KVCache, tokens: list[int]) -> None:
         """After the prompt's prefill (``tokens``: the committed ones, then the root): a selecting view
@@ -131,6 +195,38 @@ class SelfDraft:
         if self.bounds is None and v.pages and v.window is not None \
                 and cache.length >= v.sink + v.window + (v.pages + 1) * v.page:
             self._bound()
+        if v.buffered:
+            self._sync_buffer(rows)
+
+    @torch.inference_mode()
+    def _sync_buffer(self, rows: int) -> None:
+        """Bring the view's buffer up to the committed entries, with room for ``rows`` draft rows:
+        built after a selection (sinks, the selection, everything committed since) or, for a
+        StreamingLLM view, from the sinks and the last ``window`` entries, and started again once
+        it holds ``REBASE_SLACK`` entries more than that. Short contexts (nothing left out) read
+        the target's cache directly."""
+        v, cache = self.view, self.cache
+        length = cache.length
+        buf = self.buffer
+        if buf is not None and (length < buf.synced
+                                or (self.picked is None and length - self.recent > v.window + REBASE_SLACK)):
+            buf = self.buffer = None
+        if buf is None:
+            if self.picked is None and length <= v.sink + v.window:
+                return
+            full = [i for i, layer in enumerate(self.decoder.layers) if not layer.sliding]
+            if not full:
+                return
+            middle = None
+            if self.picked is not None:
+                middle = torch.stack([torch.stack(self.picked[i]) for i in full])  # [F, 2, H_kv, B, d]
+            else:
+                self.recent = length - v.window
+            buf = self.buffer = ViewBuffer(cache.kv, full, v.sink, middle,
+                                           self.recent, (middle.shape[3] if middle is not None else 0)
+                                           + v.sink + length - self.recent + rows + BUFFER_SLACK)
+            self.buffer_slot = {layer: j for j, layer in enumerate(full)}
+        buf.sync(cache.kv, length, rows)
 
     @torch.inference_mode()
     def _bound(self) -> None:
@@ -196,6 +292,7 @@ class SelfDraft:
             self.picked[i] = (kv[i, 0].gather(1, idx), kv[i, 1].gather(1, idx))
             self.picked_slots[i] = top
         self.recent = hi
+        self.buffer = None  # built again around the selection
 
     @torch.inference_mode()
     def run(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
@@ -218,11 +315,16 @@ class SelfDraft:
         if s.sliding_window is not None:
             masks[True] = grouped(mask & in_window(key_pos, positions, s.sliding_window), s.group, dec.dtype)
         contiguous = len(spans) == 1 and spans[0][1] == cache.length
-        picked = self.picked if committed is None else None
+        buffer = self.buffer if committed is None else None
         paged = self.bounds if committed is None else None
-        if picked or paged:  # full-attention layers: sinks, the selection, everything committed since it
-            some = next(iter(picked.values()))[0].shape[1] if picked else self.view.pages * self.view.page
-            seen_sel = self.view.sink + some + cache.length - self.recent
+        if buffer is not None:  # full-attention layers: the view's own buffer, then the pending entries
+            at_buffer = buffer.length + self.used
+            if at_buffer + n > buffer.capacity:
+                buffer.sync(kv, cache.length, self.used + n)
+            masks[False] = grouped(torch.cat([torch.ones(n, buffer.length, dtype=torch.bool, device=dec.device),
+                                              visible], dim=1), s.group, dec.dtype)
+        elif paged:  # full-attention layers: sinks, the pages, everything committed since the page bounds
+            seen_sel = self.view.sink + self.view.pages * self.view.page + cache.length - self.recent
             masks[False] = grouped(torch.cat([torch.ones(n, seen_sel, dtype=torch.bool, device=dec.device), visible],
                                              dim=1), s.group, dec.dtype)
 
@@ -231,22 +333,25 @@ class SelfDraft:
                 return t[:, spans[0][0]:at + n]
             return torch.cat([t[:, lo:hi] for lo, hi in spans] + [t[:, cache.length:at + n]], dim=1)
 
-        def selected(t: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:  # + the selection [H_kv, B, d]
+        def paged_keys(t: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:  # + the pages' entries [H_kv, B, d]
             return torch.cat([t[:, :self.view.sink], chosen, t[:, self.recent:at + n]], dim=1)
 
         def attend(i: int, layer: Layer, q, k, v):
+            if buffer is not None and not layer.sliding:
+                own = buffer.kv[self.buffer_slot[i]]  # [2, H_kv, C', d]
+                own[0, :, at_buffer:at_buffer + n] = k.transpose(0, 1)
+                own[1, :, at_buffer:at_buffer + n] = v.transpose(0, 1)
+                return dec.attend(q, own[0, :, :at_buffer + n], own[1, :, :at_buffer + n], masks[False])
             kv[i, 0, :, at:at + n] = k.transpose(0, 1)
             kv[i, 1, :, at:at + n] = v.transpose(0, 1)
             if self._on_attend is not None:  # the selection's observation rows: attention and scores at once
                 out = self._on_attend(i, layer, q, keys(kv[i, 0]), keys(kv[i, 1]), masks[layer.sliding])
                 if out is not None:
                     return out
-            if picked and not layer.sliding:
-                return dec.attend(q, selected(kv[i, 0], picked[i][0]), selected(kv[i, 1], picked[i][1]), masks[False])
             if paged and not layer.sliding:
                 idx = self._pages(i, q)[..., None].expand(-1, -1, s.head_dim)  # [H_kv, B, d]
-                return dec.attend(q, selected(kv[i, 0], kv[i, 0].gather(1, idx)),
-                                  selected(kv[i, 1], kv[i, 1].gather(1, idx)), masks[False])
+                return dec.attend(q, paged_keys(kv[i, 0], kv[i, 0].gather(1, idx)),
+                                  paged_keys(kv[i, 1], kv[i, 1].gather(1, idx)), masks[False])
             return dec.attend(q, keys(kv[i, 0]), keys(kv[i, 1]), masks[layer.sliding])
 
         h = dec.embed_ids(ids)
