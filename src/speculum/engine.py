@@ -1,7 +1,8 @@
 """The decode loop: prefill, then draft -> size -> verify -> commit -> update until a stop.
 
 The engine knows no method by name: a :class:`~speculum.drafters.base.Drafter` proposes a
-:class:`~speculum.tree.DraftTree`, the :class:`~speculum.tree_sizing.TreeSizer` trims it to what
+:class:`~speculum.tree.DraftTree` (the engine cuts what hangs below an EOS node: it can never be
+committed), the :class:`~speculum.tree_sizing.TreeSizer` trims it to what
 pays on this hardware, the runner (:mod:`speculum.runners`) scores ``[root] + tree`` in one forward
 pass, the :class:`~speculum.verify.Verifier` picks the accepted path and the bonus token, and the
 runner commits them to the KV cache. A constraint's work sits behind one
