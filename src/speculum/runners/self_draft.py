@@ -17,8 +17,9 @@ needed. A StreamingLLM or SnapKV view keeps what its full-attention layers read 
 contiguous buffer of its own instead (:class:`ViewBuffer`): the sinks, the selection and the
 recent entries copied once, each step adding only the entries committed since the last, and the
 draft's rows writing there; gathering the view from the target's cache in every forward (two
-concatenations per layer) cost about as much as the attention over it. Rows see the committed entries of the view, their ancestors among the pending draft
-entries (``visible``), and themselves; sliding-window layers apply their window.
+concatenations per layer) cost about as much as the attention over it. Rows see the committed
+entries of the view, their ancestors among the pending draft entries (``visible``), and
+themselves; sliding-window layers apply their window.
 
 Works on the plain KV caches where slot ``c`` holds position ``c`` (the static cache and a batch
 pool's slot), not under a KV policy.
@@ -95,7 +96,6 @@ class ViewBuffer:
         """``target_kv [layers, 2, H_kv, C, d]`` the target cache's buffer; ``middle [F, 2, H_kv, B, d]``
         the selected entries (or None); ``recent`` the first target slot read in full from here on."""
         shape = target_kv.shape
-        self.layers = layers
         self.index = torch.tensor(layers, device=target_kv.device)
         self.kv = torch.zeros(len(layers), 2, shape[2], capacity, shape[4], dtype=target_kv.dtype,
                               device=target_kv.device)
@@ -104,7 +104,6 @@ class ViewBuffer:
         if middle is not None:
             self.kv[:, :, :, sink:sink + middle.shape[3]] = middle
             self.length += middle.shape[3]
-        self.fixed = self.length  # sinks and selection: never replaced
         self.synced = recent  # target slots before this one are in the buffer (from ``recent`` on)
 
     @property
@@ -212,8 +211,8 @@ class SelfDraft:
                                 or (self.picked is None and length - self.recent > v.window + REBASE_SLACK)):
             buf = self.buffer = None
         if buf is None:
-            if self.picked is None and length <= v.sink + v.window:
-                return
+            if length <= v.sink + v.window or (self.picked is not None and length < self.recent):
+                return  # nothing left out (or a cache cut below the selection): the target's cache as it is
             full = [i for i, layer in enumerate(self.decoder.layers) if not layer.sliding]
             if not full:
                 return
