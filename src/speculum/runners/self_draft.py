@@ -77,16 +77,17 @@ class DraftView:
 # a StreamingLLM view's buffer keeps the entries committed since its window began until it holds
 # this many more than ``window``, then starts again from the last ``window``
 REBASE_SLACK = 64
-# spare slots a view buffer is allocated with beyond what a step needs (fewer reallocations)
+# spare slots a view buffer is first allocated with beyond what the step needs (it doubles after)
 BUFFER_SLACK = 128
 
 
 class ViewBuffer:
-    """What a view's full-attention layers read, contiguous: ``kv [F, 2, H_kv, C, d]`` for the ``F``
-    full-attention layers (``layers``: their indices in the decoder), slots ``0 .. length - 1``
-    the committed entries of the view (the target's first ``sink`` entries, the selected ones if
-    any, then every committed entry from slot ``recent`` of the target's cache on), then the draft
-    rows' pending entries. Attention over a slice of it reads no gathered copy.
+    """What a view's full-attention layers read, contiguous, in a :class:`StaticKVCache` of its own
+    (``cache.kv [F, 2, H_kv, C, d]`` for the ``F`` full-attention layers, ``layers``: their indices
+    in the decoder). Its committed entries are the view's (the target's first ``sink`` entries, the
+    selected ones if any, then every committed entry from slot ``recent`` of the target's cache
+    on); the draft rows' pending entries follow them. Attention over a slice of it reads no gathered
+    copy.
 
     The target's committed entries are copied in, never recomputed: the buffer reads what the
     target's cache holds, as the view did before."""
@@ -97,32 +98,24 @@ class ViewBuffer:
         the selected entries (or None); ``recent`` the first target slot read in full from here on."""
         shape = target_kv.shape
         self.index = torch.tensor(layers, device=target_kv.device)
-        self.kv = torch.zeros(len(layers), 2, shape[2], capacity, shape[4], dtype=target_kv.dtype,
-                              device=target_kv.device)
-        self.kv[:, :, :, :sink] = target_kv[self.index, :, :, :sink]
-        self.length = sink
+        self.cache = StaticKVCache(len(layers), shape[2], shape[4], target_kv.dtype, target_kv.device, capacity)
+        kv = self.cache.kv
+        kv[:, :, :, :sink] = target_kv[self.index, :, :, :sink]
+        length = sink
         if middle is not None:
-            self.kv[:, :, :, sink:sink + middle.shape[3]] = middle
-            self.length += middle.shape[3]
+            kv[:, :, :, sink:sink + middle.shape[3]] = middle
+            length += middle.shape[3]
+        self.cache.length = length
         self.synced = recent  # target slots before this one are in the buffer (from ``recent`` on)
-
-    @property
-    def capacity(self) -> int:
-        return self.kv.shape[3]
 
     def sync(self, target_kv: torch.Tensor, length: int, rows: int) -> None:
         """Copy the target's entries committed since the last call (slots ``synced .. length``) and
         make room for ``rows`` pending draft entries after them."""
-        new = length - self.synced
-        need = self.length + new + rows
-        if need > self.capacity:
-            grown = torch.zeros(*self.kv.shape[:3], need + BUFFER_SLACK, self.kv.shape[4], dtype=self.kv.dtype,
-                                device=self.kv.device)
-            grown[:, :, :, :self.length] = self.kv[:, :, :, :self.length]
-            self.kv = grown
+        c, new = self.cache, length - self.synced
+        c.reserve(c.length + max(new, 0) + rows)
         if new > 0:
-            self.kv[:, :, :, self.length:self.length + new] = target_kv[self.index, :, :, self.synced:length]
-            self.length += new
+            c.kv[:, :, :, c.length:c.length + new] = target_kv[self.index, :, :, self.synced:length]
+            c.length += new
             self.synced = length
 
 
@@ -306,26 +299,27 @@ class SelfDraft:
         cache.reserve(at + n)
         kv = cache.kv
         spans = self.view.spans(length)
-        key_pos = torch.cat([torch.arange(lo, hi, device=dec.device) for lo, hi in spans]
-                            + [self.pending_pos, positions])
         seen = sum(hi - lo for lo, hi in spans)
-        mask = torch.cat([torch.ones(n, seen, dtype=torch.bool, device=dec.device), visible], dim=1)
-        masks = {False: grouped(mask, s.group, dec.dtype), True: None}
-        if s.sliding_window is not None:
-            masks[True] = grouped(mask & in_window(key_pos, positions, s.sliding_window), s.group, dec.dtype)
         contiguous = len(spans) == 1 and spans[0][1] == cache.length
         buffer = self.buffer if committed is None else None
         paged = self.bounds if committed is None else None
+
+        def after(count: int) -> torch.Tensor:  # [n, count + p + n]: every committed entry read, then ``visible``
+            return torch.cat([torch.ones(n, count, dtype=torch.bool, device=dec.device), visible], dim=1)
+
         if buffer is not None:  # full-attention layers: the view's own buffer, then the pending entries
-            at_buffer = buffer.length + self.used
-            if at_buffer + n > buffer.capacity:
-                buffer.sync(kv, cache.length, self.used + n)
-            masks[False] = grouped(torch.cat([torch.ones(n, buffer.length, dtype=torch.bool, device=dec.device),
-                                              visible], dim=1), s.group, dec.dtype)
+            at_buffer = buffer.cache.length + self.used
+            buffer.cache.reserve(at_buffer + n)
+            full_seen = buffer.cache.length
         elif paged:  # full-attention layers: sinks, the pages, everything committed since the page bounds
-            seen_sel = self.view.sink + self.view.pages * self.view.page + cache.length - self.recent
-            masks[False] = grouped(torch.cat([torch.ones(n, seen_sel, dtype=torch.bool, device=dec.device), visible],
-                                             dim=1), s.group, dec.dtype)
+            full_seen = self.view.sink + self.view.pages * self.view.page + cache.length - self.recent
+        else:
+            full_seen = seen
+        masks = {False: grouped(after(full_seen), s.group, dec.dtype), True: None}
+        if s.sliding_window is not None:
+            key_pos = torch.cat([torch.arange(lo, hi, device=dec.device) for lo, hi in spans]
+                                + [self.pending_pos, positions])
+            masks[True] = grouped(after(seen) & in_window(key_pos, positions, s.sliding_window), s.group, dec.dtype)
 
         def keys(t: torch.Tensor) -> torch.Tensor:  # [H_kv, C, d] -> [H_kv, seen + p + n, d]
             if contiguous:
@@ -337,7 +331,7 @@ class SelfDraft:
 
         def attend(i: int, layer: Layer, q, k, v):
             if buffer is not None and not layer.sliding:
-                own = buffer.kv[self.buffer_slot[i]]  # [2, H_kv, C', d]
+                own = buffer.cache.kv[self.buffer_slot[i]]  # [2, H_kv, C', d]
                 own[0, :, at_buffer:at_buffer + n] = k.transpose(0, 1)
                 own[1, :, at_buffer:at_buffer + n] = v.transpose(0, 1)
                 return dec.attend(q, own[0, :, :at_buffer + n], own[1, :, :at_buffer + n], masks[False])
