@@ -17,8 +17,8 @@ from speculum.kv import make_policy
 from speculum.methods import build_method
 from speculum.runners import NativeRunner
 from speculum.runners import self_draft as self_draft_runner
-from speculum.runners.decoder import Linear
-from speculum.runners.quantized import QuantLinear, linear_weight
+from speculum.runners.decoder import Linear, RMSNorm
+from speculum.runners.quantized import DraftNorm, QuantLinear, TrimmedHead, linear_weight, quantized_head
 from speculum.runners.self_draft import page_bounds
 from speculum.tree_sizing import CostModel
 
@@ -32,6 +32,10 @@ KINDS = {
     "kv_draft_int4": ("kv_draft", {"sink": 1, "window": 9, "bits": 4}),
     "kv_draft_snapkv": ("kv_draft", {"policy": "snapkv", "sink": 1, "window": 4, "selected": 3, "observe": 4}),
     "kv_draft_quest": ("kv_draft", {"policy": "quest", "sink": 1, "window": 4, "pages": 2, "page": 3}),
+    # a trimmed LM head: a third of the vocabulary, plus each request's prompt tokens
+    "quant_self_trimmed": ("quant_self", {"bits": 4, "trim_vocab": torch.arange(0, TINY_VOCAB, 3)}),
+    "kv_draft_snapkv_trimmed": ("kv_draft", {"policy": "snapkv", "sink": 1, "window": 4, "selected": 3, "observe": 4,
+                                             "bits": 4, "trim_vocab": torch.arange(1, TINY_VOCAB, 3)}),
 }
 
 
@@ -47,8 +51,8 @@ def make_llama():
 SHAPES = {"chain": {"top_k": 1}, "tree": {"top_k": 4, "max_nodes": 16},
           "sized_tree": {"top_k": 8, "max_nodes": 40, "sized": True}}
 # every kind as a chain; trees once per code path (the view, the weights and the layers differ, not the tree)
-CASES = [(k, "chain") for k in KINDS] + [(k, t) for k in ("swift", "quant_self_int4", "kv_draft_snapkv", "kv_draft_quest")
-                                         for t in ("tree", "sized_tree")]
+CASES = [(k, "chain") for k in KINDS] + [(k, t) for k in ("swift", "quant_self_int4", "kv_draft_snapkv", "kv_draft_quest",
+                                                              "quant_self_trimmed") for t in ("tree", "sized_tree")]
 
 
 @pytest.mark.parametrize("kind,shape", CASES)
@@ -95,16 +99,45 @@ def test_batched_self_drafts_equal_solo(kind):
     assert batched_join_midway(runner, engine, ps) == [ar.run(p, 40).tokens for p in ps]
 
 
-@pytest.mark.parametrize("kind", ["swift_fixed", "kv_draft"])  # quant_self drafts through the same chain code
+@pytest.mark.parametrize("kind", ["swift_fixed", "kv_draft", "quant_self_trimmed"])  # quant_self: the same chain code
 def test_sampled_self_drafts_keep_the_target_distribution(kind):
     model = tiny_llama(seed=3, vocab=VOCAB, logit_scale=8.0, layers=3)
     name, options = KINDS[kind]
     options = {**options, "window": 1, "sink": 1} if name == "kv_draft" else options
+    if "trim_vocab" in options:  # half of this model's vocabulary (q is zero on the other half)
+        options = {**options, "trim_vocab": torch.arange(0, VOCAB, 2)}
     drafter = DRAFTERS[name].factory(target=model, draft_head=None, exit_confidence=0.0, **options)
     engine = Engine(NativeRunner(model), drafter, eos_token_ids=[])
     n = 6000
     p = chi2_pvalue(sample_pairs(engine, n, seed0=100), exact_joint(model), n)
     assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+def test_trimmed_head_scores_its_tokens_as_the_whole_head_does():
+    """A trimmed head's logits are the whole quantized head's on the tokens it covers (rows are
+    quantized one by one), -inf elsewhere; a request's tokens join the covered ones."""
+    model = make_llama()
+    dec = NativeRunner(model).decoder
+    full = quantized_head(dec, 4)
+    head = TrimmedHead(dec, 4, torch.tensor([5, 3, 3, 40, 7]))
+    x = torch.randn(3, dec.shape.hidden)
+    ref = full(x)
+    for h, covered in ((head, [3, 5, 7, 40]), (head.with_tokens([7, 9, 90, 10**6]), [3, 5, 7, 9, 40, 90])):
+        out = h(x)
+        assert out.shape == ref.shape and h.covers() == len(covered)
+        assert torch.allclose(out[:, covered], ref[:, covered], atol=1e-5)
+        rest = torch.ones(ref.shape[1], dtype=torch.bool)
+        rest[covered] = False
+        assert bool(torch.isneginf(out[:, rest]).all())
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.05)])
+def test_draft_norm_is_the_rms_norm(dtype, atol):
+    weight = torch.rand(64) + 0.5
+    x = torch.randn(3, 5, 64).to(dtype) * 3
+    for gemma in (False, True):
+        norm = RMSNorm(weight.to(dtype), 1e-6, gemma)
+        assert torch.allclose(DraftNorm(norm)(x).float(), norm(x).float(), atol=atol)
 
 
 @pytest.mark.parametrize("bits", [4, 8])

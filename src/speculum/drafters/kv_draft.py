@@ -29,13 +29,13 @@ import torch
 
 from ..errors import SpeculumError
 from ..options import parse_named
-from ..runners.quantized import quantized_head, quantized_layers
+from ..runners.quantized import quantized_layers
 from ..runners.self_draft import DraftView, SelfDraft
 from .self_draft import SelfDrafter
 
 KV_DRAFT_POLICIES = ("streaming", "snapkv", "quest")
 # the integer options a spec may set
-KV_DRAFT_OPTIONS = ("sink", "window", "selected", "observe", "pages", "page", "bits", "depth", "top_k")
+KV_DRAFT_OPTIONS = ("sink", "window", "selected", "observe", "pages", "page", "bits", "depth", "top_k", "trim")
 
 
 def kv_draft_options(spec: str) -> dict:
@@ -54,6 +54,8 @@ def kv_draft_options(spec: str) -> dict:
             raise SpeculumError(f"kv-draft option {key} takes an integer, not {value!r}") from None
     if options.get("bits", 4) not in (4, 8, 16):
         raise SpeculumError("kv-draft option bits is 4 or 8 (a quantized weight copy drafts) or 16 (the target's own)")
+    if options.get("trim", 1) not in (0, 1):
+        raise SpeculumError("kv-draft option trim is 1 (a quantized head over frequent and prompt tokens) or 0 (all)")
     return options
 
 
@@ -73,7 +75,7 @@ class KVDraftDrafter(SelfDrafter):
         super().__init__(target, depth=depth, exit_confidence=exit_confidence, **options)
         weights = head = None
         if bits != 16:
-            weights, head = quantized_layers(self.decoder, bits), quantized_head(self.decoder, bits)
+            weights, head = quantized_layers(self.decoder, bits), self.draft_head(bits)
         view = DraftView(sink, window, selected if policy == "snapkv" else 0, observe,
                          pages=pages if policy == "quest" else 0, page=page)
         self.model = SelfDraft(self.decoder, weights=weights, head=head, view=view)

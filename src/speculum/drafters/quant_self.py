@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..runners.quantized import quantized_head, quantized_layers
+from ..runners.quantized import quantized_layers
 from ..runners.self_draft import SelfDraft
 from .self_draft import SelfDrafter
 
@@ -25,4 +25,4 @@ class QuantSelfDrafter(SelfDrafter):
         super().__init__(target, depth=depth, **options)
         self.bits = bits
         self.model = SelfDraft(self.decoder, weights=quantized_layers(self.decoder, bits),
-                               head=quantized_head(self.decoder, bits))
+                               head=self.draft_head(bits))

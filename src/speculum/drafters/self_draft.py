@@ -15,7 +15,11 @@ temperature / top-k / top-p on the draft logits), q attached for the verifier's 
 the chain stops where the drawn token's q falls below ``exit_confidence`` (a rule on the draft
 alone, so the output distribution stays the target's).
 
-A subclass sets ``self.model`` (or overrides :meth:`model_for`).
+A quantized draft's LM head covers part of the vocabulary where one is known
+(:class:`~speculum.runners.quantized.TrimmedHead`, ``trim``): the frequent tokens of a head shipped
+for the target plus each request's prompt tokens.
+
+A subclass sets ``self.model`` (or overrides :meth:`model_for`), its head from :meth:`draft_head`.
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import copy
 import torch
 
 from ..errors import SpeculumError
+from ..heads import shipped_draft_vocab
 from ..runners import runner_for
 from ..runners.decoder import NativeDecoder
+from ..runners.quantized import TrimmedHead, quantized_head
 from ..runners.self_draft import SelfDraft, check_plain_cache
 from ..tree import DraftTree
 from .base import Drafter
@@ -48,8 +54,14 @@ class SelfDrafter(Drafter):
     model: SelfDraft
 
     def __init__(self, target: torch.nn.Module, top_k: int = 1, depth: int = 6, max_nodes: int = 24,
-                 exit_confidence: float = 0.5, min_path_prob: float = 0.02, draft_head=None):
+                 exit_confidence: float = 0.5, min_path_prob: float = 0.02, draft_head=None, trim: bool = True,
+                 trim_vocab: torch.Tensor | None = None):
         # draft_head: the learned drafters' head files, passed to every method that reads the target; unused here
+        # trim: a quantized head over ``trim_vocab`` (default: a shipped head's draft vocabulary, where
+        # one ships for the target) plus each request's prompt tokens; the whole vocabulary otherwise
+        self.target = target
+        self.trim, self.trim_vocab = trim, trim_vocab
+        self.trimmed: TrimmedHead | None = None
         self.decoder = native_decoder(target, self.name)
         self.device = self.decoder.device
         self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
@@ -61,9 +73,21 @@ class SelfDrafter(Drafter):
         twin.model = copy.copy(self.model)  # per-step state (the cache it writes into) is per request
         return twin
 
+    def draft_head(self, bits: int):
+        """The draft's LM head quantized to ``bits``: trimmed where ``trim`` and a vocabulary is
+        known (each request then adds its prompt's tokens, :meth:`reset`), else the whole head."""
+        if self.trim:
+            vocab = self.trim_vocab if self.trim_vocab is not None else shipped_draft_vocab(self.target)
+            if vocab is not None and len(vocab):
+                self.trimmed = TrimmedHead(self.decoder, bits, vocab)
+                return self.trimmed
+        return quantized_head(self.decoder, bits)
+
     def reset(self, prompt_ids, params, generator) -> None:
         super().reset(prompt_ids, params, generator)
         self.prompt = list(prompt_ids)
+        if self.trimmed is not None:
+            self.model.head = self.trimmed.with_tokens(self.prompt)
 
     def see_cache(self, cache) -> None:
         """The request's cache, its prompt prefilled: a selecting view picks its entries now."""

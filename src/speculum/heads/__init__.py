@@ -58,6 +58,7 @@ __all__ = [
     "load_head",
     "pick_head",
     "save_head",
+    "shipped_draft_vocab",
     "target_key",
 ]
 
@@ -88,6 +89,22 @@ def find_head(model, kind: str) -> Path | None:
     key = target_key(model)
     path = SHIPPED / key / f"{kind}.safetensors"
     return path if key and path.is_file() else None
+
+
+def shipped_draft_vocab(model) -> torch.Tensor | None:
+    """The draft vocabulary ``[K]`` (token ids) of a head shipped for ``model``: the tokens most
+    frequent in the model's own outputs on the training prompts (FR-Spec / VocabTrim), which a
+    self-draft's trimmed LM head also uses; None where no shipped head has one."""
+    from safetensors import safe_open
+
+    for kind in KINDS:
+        path = find_head(model, kind)
+        if path is None:
+            continue
+        with safe_open(str(path), "pt") as f:
+            if "draft_vocab" in f.keys():  # noqa: SIM118 - safe_open is not iterable
+                return f.get_tensor("draft_vocab")
+    return None
 
 
 @dataclass

@@ -182,6 +182,9 @@ class NativeDecoder:
         self.shape, self.embed, self.embed_scale = shape, embed, embed_scale
         self.layers, self.final_norm, self.head, self.rotary = layers, final_norm, head, rotary
         self.fused = fused
+        # the LM head's weight ``[V, D]`` where it is the embedding table (tied), for code that reads
+        # rows of it (a trimmed draft head); None where the head has weights of its own
+        self.tied_head: torch.Tensor | None = None
         self.act = ACT2FN[shape.act]
         self.dtype, self.device = embed.dtype, embed.device
         self.layout = AttentionLayout(
@@ -241,7 +244,10 @@ class NativeDecoder:
                 rotary[kind] = Rotary(emb.inv_freq, emb.attention_scaling)
             else:
                 rotary[kind] = Rotary(inv, getattr(emb, f"{kind}_attention_scaling"))
-        return cls(shape, embed, embed_scale, layers, final_norm, head, rotary, fused)
+        decoder = cls(shape, embed, embed_scale, layers, final_norm, head, rotary, fused)
+        if model.get_output_embeddings().weight.data_ptr() == base.embed_tokens.weight.data_ptr():
+            decoder.tied_head = embed
+        return decoder
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, write: int | torch.Tensor,
                 keys: int, masks: dict[bool, torch.Tensor | None], last_only: bool = False,

@@ -5,7 +5,9 @@
   runs ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on oneDNN's packed layout (the gpt-fast /
   torchao CPU kernels).
 
-Activations stay in the model's dtype. Where the kernels do not apply (another device, a shape the
+Activations stay in the model's dtype. The copies' norms run as one kernel each (:class:`DraftNorm`),
+and a draft's LM head can cover part of the vocabulary only (:class:`TrimmedHead`): what is
+cheap for a draft, whose numbers only propose. Where the kernels do not apply (another device, a shape the
 int4 packing refuses) the layer runs the dequantized weights through ``F.linear``: the same
 numbers, without the saving. The source weights are read back from the decoder itself, so a
 model whose transformers weights were released (:func:`~speculum.runners.release_model_weights`)
@@ -20,11 +22,12 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .decoder import Layer, Linear, NativeDecoder
+from .decoder import Layer, Linear, NativeDecoder, RMSNorm
 
 GROUP = 32  # int4 group size along the input channels
 QUANT_BITS = (4, 8)
-_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> {bits: (layers, head)}
+# decoder -> {bits: (layers, head)} and {"head": the head's weight read back (an untied head)}
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def linear_weight(linear: Linear) -> torch.Tensor:
@@ -86,6 +89,90 @@ class QuantLinear:
         return self.dequantized.numel() * self.dequantized.element_size() if self.kernel is None else 0
 
 
+class DraftNorm:
+    """An :class:`~speculum.runners.decoder.RMSNorm` as one kernel, for a draft's layers:
+    ``x / rms(x) * w`` is layer normalization over ``[x, -x]`` (mean zero, variance ``mean(x^2)``)
+    with the weight ``[w, 0]``, the first half kept. On a CPU ``F.rms_norm`` runs as several
+    kernels: one row of SmolLM2 takes ~15 us through it and ~7 us through this, and a draft
+    forward has 61 norms. Rounded differently from the target's norm: a draft's numbers only
+    propose. ``x [..., D]`` -> ``[..., D]`` (a view into a ``[..., 2D]`` result)."""
+
+    def __init__(self, norm: RMSNorm):
+        w = norm.fused_weight  # Gemma's 1 + w already folded in
+        self.width, self.eps = w.shape[0], norm.eps
+        self.weight = torch.cat([w, torch.zeros_like(w)])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        both = torch.cat([x, -x], dim=-1)
+        return F.layer_norm(both, (2 * self.width,), self.weight.to(x.dtype), None, self.eps)[..., :self.width]
+
+
+NORMS = ("input_norm", "post_attn_norm", "pre_mlp_norm", "post_mlp_norm", "q_norm", "k_norm")  # a Layer's
+
+
+def head_weight(decoder: NativeDecoder) -> torch.Tensor:
+    """The LM head's weight ``[V, D]``: the embedding table where they are tied, else read back
+    from the packed head once per decoder (kept: a trimmed head reads rows of it per request)."""
+    if decoder.tied_head is not None:
+        return decoder.tied_head
+    copies = _COPIES.setdefault(decoder, {})
+    if "head" not in copies:
+        copies["head"] = linear_weight(decoder.head)
+    return copies["head"]
+
+
+class TrimmedHead:
+    """A quantized draft LM head over part of the vocabulary (FR-Spec, Zhao et al. 2025; VocabTrim):
+    ``[n, D]`` final-norm output -> ``[n, V]`` logits, ``-inf`` outside ``vocab``.
+
+    ``vocab [K]`` token ids (the frequent ones: a shipped head's draft vocabulary) are quantized
+    once; :meth:`with_tokens` adds a request's own tokens (its prompt, which long-context answers
+    copy) in a second, small product. SmolLM2's int4 head over 49,152 tokens costs ~0.9 ms a draft
+    forward, over 8,192 ~0.15. The draft proposes only tokens it covers; the target's verification
+    keeps the output exact (and a sampled draft's ``q`` is zero elsewhere, as the verifier expects).
+    """
+
+    def __init__(self, decoder: NativeDecoder, bits: int, vocab: torch.Tensor):
+        self.decoder, self.bits, self.width = decoder, bits, decoder.shape.vocab
+        self.vocab = torch.unique(vocab.to(torch.int64).cpu())
+        self.base = QuantLinear(_rows(head_weight(decoder), self.vocab), None, bits)
+        self.extra: QuantLinear | None = None
+        self.ids = _padded(self.vocab).to(decoder.device)  # the logits' columns, in product order
+
+    def with_tokens(self, tokens) -> TrimmedHead:
+        """A copy that also covers ``tokens`` (any iterable of ids; those outside the vocabulary's
+        width are ignored). Costs a quantization of the new rows (a few ms for a few thousand)."""
+        new = torch.tensor(sorted({int(t) for t in tokens} - set(self.vocab.tolist())), dtype=torch.int64)
+        new = new[(new >= 0) & (new < self.width)]
+        twin = copy.copy(self)
+        twin.extra = QuantLinear(_rows(head_weight(self.decoder), new), None, self.bits) if len(new) else None
+        twin.ids = torch.cat([_padded(self.vocab), _padded(new)]).to(self.decoder.device) if len(new) else self.ids
+        return twin
+
+    def covers(self) -> int:
+        """How many tokens the head scores."""
+        return int(torch.unique(self.ids).numel())
+
+    def __call__(self, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+        part = self.base(x)
+        if self.extra is not None:
+            part = torch.cat([part, self.extra(x)], dim=-1)
+        out = torch.full((x.shape[0], self.width), float("-inf"), dtype=part.dtype, device=part.device)
+        return out.index_copy_(1, self.ids, part)
+
+
+def _padded(ids: torch.Tensor) -> torch.Tensor:
+    """``ids [k]`` with the last repeated up to a multiple of 16 (the int4 kernel's row multiple;
+    a repeated row writes the same logit twice)."""
+    pad = -len(ids) % 16
+    return torch.cat([ids, ids[-1:].expand(pad)]) if pad and len(ids) else ids
+
+
+def _rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of ``weight [V, D]`` (padded as :func:`_padded`), on the CPU for quantizing."""
+    return weight.index_select(0, _padded(ids).to(weight.device))
+
+
 def _quantize(linear: Linear, bits: int) -> QuantLinear:
     bias = None if linear.bias is None else linear.bias.detach()
     return QuantLinear(linear_weight(linear), bias, bits)
@@ -112,6 +199,9 @@ def _copy(decoder: NativeDecoder, bits: int) -> tuple[list[Layer], QuantLinear]:
             q = copy.copy(layer)
             q.qkv, q.o = _quantize(layer.qkv, bits), _quantize(layer.o, bits)
             q.gate_up, q.down = _quantize(layer.gate_up, bits), _quantize(layer.down, bits)
+            for name in NORMS:
+                if getattr(layer, name) is not None:
+                    setattr(q, name, DraftNorm(getattr(layer, name)))
             layers.append(q)
         copies[bits] = layers, _quantize(decoder.head, bits)
     return copies[bits]
