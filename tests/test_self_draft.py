@@ -11,6 +11,7 @@ from test_sampling import VOCAB, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.attention import grouped
 from speculum.drafters import DRAFTERS
+from speculum.drafters.kv_draft import kv_draft_options
 from speculum.engine import Engine
 from speculum.errors import SpeculumError
 from speculum.kv import make_policy
@@ -198,6 +199,11 @@ def test_self_drafts_refuse_what_they_cannot_run():
         build_method("swift", model, None, skip=[7])
     with pytest.raises(SpeculumError, match="kv-draft policy"):
         build_method("kv_draft", model, None, policy="kivi")
+    assert kv_draft_options("snapkv:trim=0,bits=8") == {"policy": "snapkv", "trim": 0, "bits": 8}
+    with pytest.raises(SpeculumError, match="option trim"):
+        kv_draft_options("snapkv:trim=2")
+    with pytest.raises(ValueError, match="token ids"):
+        TrimmedHead(NativeRunner(model).decoder, 4, torch.tensor([5, TINY_VOCAB]))
     method = build_method("quant_self", model, None, kv_policy=make_policy("streaming", "16"))
     with pytest.raises(SpeculumError, match="plain cache"):
         method.run(list(range(20)), 8)

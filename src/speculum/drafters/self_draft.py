@@ -78,6 +78,8 @@ class SelfDrafter(Drafter):
         known (each request then adds its prompt's tokens, :meth:`reset`), else the whole head."""
         if self.trim:
             vocab = self.trim_vocab if self.trim_vocab is not None else shipped_draft_vocab(self.target)
+            if vocab is not None:
+                vocab = vocab[(vocab >= 0) & (vocab < self.decoder.shape.vocab)]  # another model's: what fits
             if vocab is not None and len(vocab):
                 self.trimmed = TrimmedHead(self.decoder, bits, vocab)
                 return self.trimmed
