@@ -75,7 +75,7 @@ class KVDraftDrafter(SelfDrafter):
         super().__init__(target, depth=depth, exit_confidence=exit_confidence, **options)
         weights = head = None
         if bits != 16:
-            weights, head = quantized_layers(self.decoder, bits), self.draft_head(bits)
+            weights, head = quantized_layers(self.decoder, bits), self.draft_head(target, bits)
         view = DraftView(sink, window, selected if policy == "snapkv" else 0, observe,
                          pages=pages if policy == "quest" else 0, page=page)
         self.model = SelfDraft(self.decoder, weights=weights, head=head, view=view)

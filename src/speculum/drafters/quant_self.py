@@ -25,4 +25,4 @@ class QuantSelfDrafter(SelfDrafter):
         super().__init__(target, depth=depth, **options)
         self.bits = bits
         self.model = SelfDraft(self.decoder, weights=quantized_layers(self.decoder, bits),
-                               head=self.draft_head(bits))
+                               head=self.draft_head(target, bits))

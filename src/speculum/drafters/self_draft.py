@@ -59,7 +59,6 @@ class SelfDrafter(Drafter):
         # draft_head: the learned drafters' head files, passed to every method that reads the target; unused here
         # trim: a quantized head over ``trim_vocab`` (default: a shipped head's draft vocabulary, where
         # one ships for the target) plus each request's prompt tokens; the whole vocabulary otherwise
-        self.target = target
         self.trim, self.trim_vocab = trim, trim_vocab
         self.trimmed: TrimmedHead | None = None
         self.decoder = native_decoder(target, self.name)
@@ -73,11 +72,12 @@ class SelfDrafter(Drafter):
         twin.model = copy.copy(self.model)  # per-step state (the cache it writes into) is per request
         return twin
 
-    def draft_head(self, bits: int):
+    def draft_head(self, target: torch.nn.Module, bits: int):
         """The draft's LM head quantized to ``bits``: trimmed where ``trim`` and a vocabulary is
-        known (each request then adds its prompt's tokens, :meth:`reset`), else the whole head."""
+        known for ``target`` (each request then adds its prompt's tokens, :meth:`reset`), else the
+        whole head."""
         if self.trim:
-            vocab = self.trim_vocab if self.trim_vocab is not None else shipped_draft_vocab(self.target)
+            vocab = self.trim_vocab if self.trim_vocab is not None else shipped_draft_vocab(target)
             if vocab is not None:
                 vocab = vocab[(vocab >= 0) & (vocab < self.decoder.shape.vocab)]  # another model's: what fits
             if vocab is not None and len(vocab):

@@ -145,8 +145,8 @@ class TrimmedHead:
     def with_tokens(self, tokens) -> TrimmedHead:
         """A copy that also covers ``tokens`` (any iterable of ids; those outside the vocabulary's
         width are ignored). Costs a quantization of the new rows (a few ms for a few thousand)."""
-        new = torch.tensor(sorted({int(t) for t in tokens} - set(self.vocab.tolist())), dtype=torch.int64)
-        new = new[(new >= 0) & (new < self.width)]
+        new = torch.unique(torch.tensor(list(tokens), dtype=torch.int64))
+        new = new[(new >= 0) & (new < self.width) & ~torch.isin(new, self.vocab)]
         twin = copy.copy(self)
         twin.extra = QuantLinear(_rows(head_weight(self.decoder), new), None, self.bits) if len(new) else None
         twin.ids = torch.cat([_padded(self.vocab), _padded(new)]).to(self.decoder.device) if len(new) else self.ids
