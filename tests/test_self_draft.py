@@ -2,6 +2,7 @@
 sized trees on tiny Llama and Gemma-3 past its window, alone and batched; sampled output with the
 target's distribution; the quantized linear layers; the layer-set search; clear refusals."""
 
+import math
 import random
 
 import pytest
@@ -11,7 +12,9 @@ from test_sampling import VOCAB, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.attention import grouped
 from speculum.drafters import DRAFTERS
+from speculum.drafters.dynamic_tree import DynamicTree
 from speculum.drafters.kv_draft import kv_draft_options
+from speculum.drafters.ngram import NgramDrafter
 from speculum.engine import Engine
 from speculum.errors import SpeculumError
 from speculum.kv import make_policy
@@ -73,6 +76,40 @@ def test_greedy_self_drafts_equal_ar(kind, make, shape):
         drafted += sum(s.drafted for s in steps)
         accepted += sum(s.accepted for s in steps)
     assert drafted > 0 and accepted > 0
+
+
+def test_lookup_continuation_is_what_followed_the_chain_before():
+    text = NgramDrafter(max_ngram=3, min_ngram=2)
+    text.reset([5, 6, 7, 8, 5], None, None)
+    assert text.continuation([5, 6, 7, 8, 5], [6], 8) == [7, 8, 5]  # (5, 6) occurred at the start
+    assert text.continuation([5, 6, 7, 8, 5], [6], 2) == [7, 8]
+    assert text.continuation([5, 6, 7, 8, 5], [9], 8) == []  # (5, 9) did not
+    assert text.continuation([5, 6, 7, 8, 5, 6], [], 8) == [7, 8, 5, 6]  # committed tokens only: as ngram
+    grow = DynamicTree(1)
+    grow.add_path(-1, [3, 4], 0.5)
+    assert grow.parents == [-1, 0] and grow.scores == pytest.approx([math.log(0.5), 2 * math.log(0.5)])
+
+
+@pytest.mark.parametrize("name,options", [("quant_self", {"bits": 4}),
+                                          ("kv_draft", {"policy": "snapkv", "sink": 1, "window": 4, "selected": 3,
+                                                        "observe": 4})])
+def test_looked_up_chains_equal_ar(name, options):
+    """One draft forward a step (``depth=1``): any further drafted token came from the lookup; on
+    prompts that repeat, some steps take them, and the output is still ``ar``'s."""
+    model = make_llama()
+    ar = build_method("ar", model, None)
+    method = build_method(name, model, None, depth=1, exit_confidence=0.0, sized=False, lookup=6, **options)
+    rng = random.Random(4)
+    longest = 0
+    for _ in range(4):
+        motif = [rng.randrange(TINY_VOCAB) for _ in range(5)]
+        p = motif * 4 + [rng.randrange(TINY_VOCAB) for _ in range(3)] + motif[:2]
+        r = method.run(p, 40)
+        assert r.tokens == ar.run(p, 40).tokens
+        longest = max([longest] + [s.drafted for s in r.steps])
+    assert 1 < longest <= 7
+    no_lookup = build_method(name, model, None, depth=1, exit_confidence=0.0, sized=False, lookup=0, **options)
+    assert max(s.drafted for s in no_lookup.run(p, 40).steps) == 1
 
 
 def test_quantized_drafts_are_mostly_accepted():
@@ -202,6 +239,8 @@ def test_self_drafts_refuse_what_they_cannot_run():
     assert kv_draft_options("snapkv:trim=0,bits=8") == {"policy": "snapkv", "trim": 0, "bits": 8}
     with pytest.raises(SpeculumError, match="option trim"):
         kv_draft_options("snapkv:trim=2")
+    with pytest.raises(SpeculumError, match="lookup is a number of tokens"):
+        build_method("kv_draft", model, None, **kv_draft_options("snapkv:lookup=-1"))
     with pytest.raises(ValueError, match="token ids"):
         TrimmedHead(NativeRunner(model).decoder, 4, torch.tensor([5, TINY_VOCAB]))
     method = build_method("quant_self", model, None, kv_policy=make_policy("streaming", "16"))

@@ -108,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "highest for each draft forward), with options sink=4, window=512 (snapkv and quest 256), "
                           "selected=512, observe=32 (snapkv), pages=32, page=16 (quest), bits=4|8|16 (an int4 (default) "
                           "or int8 weight copy drafts, 16 the "
-                          "target's own weights), depth=6, top_k=1; e.g. snapkv:bits=8. Runs the kv_draft method in "
+                          "target's own weights), depth=6, top_k=1, trim=1 (0: the draft's head covers the whole "
+                          "vocabulary), lookup=8 (tokens a chain found earlier in the text takes from there; 0: none); "
+                          "e.g. snapkv:bits=8. Runs the kv_draft method in "
                           "place of --method")
     _add_model_args(g)
 

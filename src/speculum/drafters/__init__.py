@@ -117,7 +117,8 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "swift": DrafterEntry(SwiftDrafter, "the target with layers skipped drafts chains, the skipped set searched "
                           "on the fly (SWIFT)", scored=True, needs_target=True),
     "quant_self": DrafterEntry(QuantSelfDrafter, "an int4 weight-only copy of the target drafts chains over the "
-                               "target's cache (QSpec-style)", scored=True, needs_target=True),
+                               "target's cache (QSpec-style), a chain found earlier in the text ending with "
+                               "what followed it", scored=True, needs_target=True),
     "lookahead": DrafterEntry(LookaheadDrafter, "Lookahead decoding: Jacobi iterates in the verification forward "
                               "fill an n-gram pool whose n-grams at the root are verified (training-free)",
                               scored=True, needs_target=True),

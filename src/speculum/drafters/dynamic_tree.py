@@ -55,6 +55,17 @@ class DynamicTree:
                 self.scores.append(base + lp)
         return made
 
+    def add_path(self, node: int, tokens: list[int], prob: float) -> None:
+        """``tokens`` as a chain under ``node``, each scored ``prob`` times its parent: a continuation
+        proposed without model scores (a lookup), its per-token acceptance estimated as ``prob``."""
+        step = math.log(prob)
+        for tok in tokens:
+            base = self.scores[node] if node >= 0 else 0.0
+            self.tokens.append(tok)
+            self.parents.append(node)
+            self.scores.append(base + step)
+            node = len(self.tokens) - 1
+
     def frontier(self, level: list[int]) -> list[int]:
         """The nodes of ``level`` to expand next: the ``top_k`` best above ``min_path_prob``, none
         whose token is one of ``ends`` (the request's EOS ids: nothing after one can be committed)."""

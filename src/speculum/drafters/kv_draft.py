@@ -20,7 +20,9 @@ output is exactly full-cache decoding's. The draft's weights are also quantized,
 default) or 8 (:mod:`speculum.drafters.quant_self`), cheaper still; ``bits=16`` drafts with the
 target's own weights. Drafting is
 :class:`~speculum.drafters.self_draft.SelfDrafter`'s: a chain with a confidence stop, or a dynamic
-tree with ``top_k > 1``.
+tree with ``top_k > 1``. A chain that has occurred earlier in the text ends with the ``lookup`` (8) tokens
+that followed it there (``lookup=0``: none): an answer copied from the prompt, a needle's value,
+then costs one draft forward rather than one per token.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from .self_draft import SelfDrafter
 
 KV_DRAFT_POLICIES = ("streaming", "snapkv", "quest")
 # the integer options a spec may set
-KV_DRAFT_OPTIONS = ("sink", "window", "selected", "observe", "pages", "page", "bits", "depth", "top_k", "trim")
+KV_DRAFT_OPTIONS = ("sink", "window", "selected", "observe", "pages", "page", "bits", "depth", "top_k", "trim",
+                    "lookup")
 
 
 def kv_draft_options(spec: str) -> dict:

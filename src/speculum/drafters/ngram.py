@@ -94,6 +94,20 @@ class NgramDrafter(Drafter):
             return DraftTree.chain(tokens[start:start + k])
         return DraftTree()
 
+    def continuation(self, tokens: list[int], tail: list[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest n-gram
+        ending ``tokens + tail`` (``tail``: tokens drafted past the committed ``tokens``, not indexed),
+        or ``[]``. Only ``tokens`` are searched. Example (``sizes`` 3..2): ``tokens`` ``[5, 6, 7, 8, 5]``
+        and ``tail`` ``[6]`` end with ``(5, 6)``, which was followed by ``7, 8, 5``."""
+        self._index_upto(tokens)
+        ends = tokens[max(0, len(tokens) - self.sizes[0]):] + tail
+        for n in self.sizes:
+            if n <= len(ends):
+                start = self.index[n].get(tuple(ends[len(ends) - n:]))
+                if start is not None:
+                    return tokens[start:start + k]
+        return []
+
     def _tree(self, tokens: list[int], n_first: int, start: int, k: int, budget: int) -> DraftTree:
         """The preferred continuation plus other occurrences' continuations with different next tokens."""
         builder = TreeBuilder()

@@ -6,7 +6,8 @@ The copy's linear layers and LM head are quantized to int4 (groups of 32, the de
 the target's. It drafts over the target's own KV cache (:mod:`speculum.runners.self_draft`), so the
 context it reads is the full-precision one and nothing is prefilled twice. Drafting is
 :class:`~speculum.drafters.self_draft.SelfDrafter`'s: a chain with a confidence stop, or a dynamic
-tree with ``top_k > 1``.
+tree with ``top_k > 1``; a chain that has occurred earlier in the text ends with the ``lookup`` (8)
+tokens that followed it there, without further draft forwards (``lookup=0``: none).
 """
 
 from __future__ import annotations

@@ -6,7 +6,12 @@ Each step the root runs first (the committed tokens are already in the target's 
 nothing to catch up on); its logits give the first depth. Then, greedy:
 
 - ``top_k=1``: a chain, stopped early where the drafted token's own probability falls below
-  ``exit_confidence`` (SWIFT's confidence-aware drafting; Kangaroo's early exit);
+  ``exit_confidence`` (SWIFT's confidence-aware drafting; Kangaroo's early exit). With ``lookup``
+  (``k > 0``), after each drafted token the chain so far is looked up in the text, prompt lookup
+  style (:meth:`~speculum.drafters.ngram.NgramDrafter.continuation`, an n-gram of 2-3 tokens ending
+  with the drafted one): where it occurred before, the ``k`` tokens that followed it end the chain
+  without further draft forwards. Copied text (a needle's value, a quoted question) then costs
+  one draft forward instead of one per token;
 - ``top_k>1``: EAGLE-2's dynamic tree (:mod:`speculum.drafters.dynamic_tree`), all nodes of one depth
   in one forward, growth stopping where a path's probability falls below ``min_path_prob``.
 
@@ -37,6 +42,10 @@ from ..runners.self_draft import SelfDraft, check_plain_cache
 from ..tree import DraftTree
 from .base import Drafter
 from .dynamic_tree import DynamicTree
+from .ngram import NgramDrafter
+
+# the acceptance a looked-up token is scored with, per token (for the engine's tree sizer)
+LOOKUP_PROB = 0.7
 
 
 def native_decoder(target: torch.nn.Module, who: str) -> NativeDecoder:
@@ -55,7 +64,7 @@ class SelfDrafter(Drafter):
 
     def __init__(self, target: torch.nn.Module, top_k: int = 1, depth: int = 6, max_nodes: int = 24,
                  exit_confidence: float = 0.5, min_path_prob: float = 0.02, draft_head=None, trim: bool = True,
-                 trim_vocab: torch.Tensor | None = None):
+                 trim_vocab: torch.Tensor | None = None, lookup: int = 8):
         # draft_head: the learned drafters' head files, passed to every method that reads the target; unused here
         # trim: a quantized head over ``trim_vocab`` (default: a shipped head's draft vocabulary, where
         # one ships for the target) plus each request's prompt tokens; the whole vocabulary otherwise
@@ -66,10 +75,17 @@ class SelfDrafter(Drafter):
         self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
         self.exit_confidence, self.min_path_prob = exit_confidence, min_path_prob
         self.target_cache = None
+        if lookup < 0:
+            raise SpeculumError(f"lookup is a number of tokens >= 0, not {lookup}")
+        # lookup: tokens a chain may take from an earlier occurrence of its last 2-3 tokens (0: none)
+        self.lookup = lookup
+        self.text = NgramDrafter(max_ngram=3, min_ngram=2) if lookup else None
 
     def fork(self) -> SelfDrafter:
         twin = super().fork()
         twin.model = copy.copy(self.model)  # per-step state (the cache it writes into) is per request
+        if self.text is not None:
+            twin.text = self.text.fork()
         return twin
 
     def draft_head(self, target: torch.nn.Module, bits: int):
@@ -88,6 +104,8 @@ class SelfDrafter(Drafter):
     def reset(self, prompt_ids, params, generator) -> None:
         super().reset(prompt_ids, params, generator)
         self.prompt = list(prompt_ids)
+        if self.text is not None:
+            self.text.reset(prompt_ids, params, generator)
         if self.trimmed is not None:
             self.model.head = self.trimmed.with_tokens(self.prompt)
 
@@ -117,7 +135,7 @@ class SelfDrafter(Drafter):
         logits = model.run(self._ids(tokens[-1:]), self._pos([root_pos]), yes)[0]  # [V]
         if not self.params.greedy:
             return self._sampled_chain(model, logits, root_pos, depth)
-        return self._tree(model, logits, root_pos, depth, budget)
+        return self._tree(model, logits, root_pos, depth, budget, tokens)
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, device=self.device)
@@ -138,12 +156,18 @@ class SelfDrafter(Drafter):
             logits = model.run(self._ids([tok]), self._pos([root_pos + i + 1]), visible)[0]
         return DraftTree.chain(drafted, torch.stack(qs))
 
-    def _tree(self, model: SelfDraft, root_logits: torch.Tensor, root_pos: int, depth: int, budget: int) -> DraftTree:
+    def _tree(self, model: SelfDraft, root_logits: torch.Tensor, root_pos: int, depth: int, budget: int,
+              tokens: list[int]) -> DraftTree:
         grow = DynamicTree(self.top_k, self.min_path_prob if self.top_k > 1 else 0.0, self.end_ids)
         slot: dict[int, int] = {-1: 0}  # node -> its pending slot (the root's is 0)
         anc: dict[int, list[int]] = {-1: [0]}  # node -> pending slots of its ancestors, the root's included
+        room = min(self.max_nodes, budget)
         level = grow.add_children([-1], torch.log_softmax(root_logits[None].float(), -1))
-        for d in range(1, depth):
+        for d in range(1, depth + 1):
+            if self.text is not None and self.top_k == 1 and self._look_up(grow, level[0], tokens, room):
+                break
+            if d == depth:
+                break
             frontier = grow.frontier(level)
             if self.top_k == 1:  # confidence-aware stop: the token's own probability
                 frontier = grow.confident(frontier, self.exit_confidence)
@@ -154,4 +178,13 @@ class SelfDrafter(Drafter):
             logits = model.run(self._ids([grow.tokens[i] for i in frontier]), self._pos([root_pos + d] * m),
                                torch.from_numpy(visible).to(self.device))
             level = grow.add_children(frontier, torch.log_softmax(logits.float(), -1))
-        return grow.result(min(self.max_nodes, budget))
+        return grow.result(room)
+
+    def _look_up(self, grow: DynamicTree, node: int, tokens: list[int], room: int) -> bool:
+        """Whether the chain ending at ``node`` was found earlier in ``tokens``: then what followed
+        there is added under ``node`` (``lookup`` tokens at most, within ``room`` nodes in all)."""
+        if grow.tokens[node] in self.end_ids:
+            return False
+        found = self.text.continuation(tokens, grow.path(node), min(self.lookup, room - len(grow.tokens)))
+        grow.add_path(node, found, LOOKUP_PROB)
+        return bool(found)
