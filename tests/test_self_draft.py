@@ -4,11 +4,12 @@ target's distribution; the quantized linear layers; the layer-set search; clear 
 
 import math
 import random
+from collections import Counter
 
 import pytest
 import torch
 from conftest import TINY_VOCAB, batched_join_midway, tiny_gemma3, tiny_llama
-from test_sampling import VOCAB, chi2_pvalue, exact_joint, sample_pairs
+from test_sampling import PARAMS, VOCAB, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.attention import grouped
 from speculum.drafters import DRAFTERS
@@ -149,6 +150,28 @@ def test_sampled_self_drafts_keep_the_target_distribution(kind):
     engine = Engine(NativeRunner(model), drafter, eos_token_ids=[])
     n = 6000
     p = chi2_pvalue(sample_pairs(engine, n, seed0=100), exact_joint(model), n)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+def test_sampled_chains_with_looked_up_tokens_keep_the_target_distribution():
+    """A prompt whose 2-grams recur: a drawn token after its last token is often looked up (a
+    point-mass proposal); the first two of three sampled tokens still follow the target's joint
+    distribution."""
+    model = tiny_llama(seed=3, vocab=VOCAB, logit_scale=8.0, layers=3)
+    prompt = [1, 5, 2, 6, 5, 0, 4, 5, 7, 1, 5]  # (5, x) is followed by a token for x in 2, 0, 7
+    with torch.no_grad():
+        p1 = PARAMS.probs(model(torch.tensor([prompt])).logits[0, -1])
+        p2 = PARAMS.probs(model(torch.tensor([prompt + [a] for a in range(VOCAB)])).logits[:, -1])
+    exact = {(a, b): float(p1[a] * p2[a, b]) for a in range(VOCAB) for b in range(VOCAB)}
+    drafter = DRAFTERS["quant_self"].factory(target=model, draft_head=None, exit_confidence=0.0, bits=8)
+    found = []
+    look_up = drafter.text.continuation
+    drafter.text.continuation = lambda *args: found.append(look_up(*args)) or found[-1]
+    engine = Engine(NativeRunner(model), drafter, eos_token_ids=[])
+    n = 4000
+    counts = Counter(tuple(engine.generate(prompt, 3, PARAMS, seed=500 + i).tokens[:2]) for i in range(n))
+    assert sum(map(bool, found)) > n / 10  # proposals taken from the text
+    p = chi2_pvalue(counts, exact, n)
     assert p > 1e-3, f"chi-square p = {p:.2e}"
 
 

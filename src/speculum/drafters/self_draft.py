@@ -18,7 +18,9 @@ nothing to catch up on); its logits give the first depth. Then, greedy:
 Sampled requests draft a chain, each token drawn from the draft's own distribution q (the request's
 temperature / top-k / top-p on the draft logits), q attached for the verifier's ``min(1, p/q)``;
 the chain stops where the drawn token's q falls below ``exit_confidence`` (a rule on the draft
-alone, so the output distribution stays the target's).
+alone, so the output distribution stays the target's). The lookup applies as for greedy chains,
+each looked-up token proposed with certainty (q a point mass on it: accepted with the target's
+probability p of it, as a model-free draft is).
 
 A quantized draft's LM head covers part of the vocabulary where one is known
 (:class:`~speculum.runners.quantized.TrimmedHead`, ``trim``): the frequent tokens of a head shipped
@@ -134,7 +136,7 @@ class SelfDrafter(Drafter):
         yes = torch.ones(1, 1, dtype=torch.bool, device=self.device)
         logits = model.run(self._ids(tokens[-1:]), self._pos([root_pos]), yes)[0]  # [V]
         if not self.params.greedy:
-            return self._sampled_chain(model, logits, root_pos, depth)
+            return self._sampled_chain(model, logits, root_pos, depth, tokens, min(self.max_nodes, budget))
         return self._tree(model, logits, root_pos, depth, budget, tokens)
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
@@ -143,14 +145,24 @@ class SelfDrafter(Drafter):
     def _pos(self, positions: list[int]) -> torch.Tensor:
         return torch.tensor(positions, device=self.device)
 
-    def _sampled_chain(self, model: SelfDraft, logits: torch.Tensor, root_pos: int, k: int) -> DraftTree:
+    def _sampled_chain(self, model: SelfDraft, logits: torch.Tensor, root_pos: int, k: int,
+                       tokens: list[int], room: int) -> DraftTree:
         drafted, qs = [], []
         for i in range(k):
             q = self.params.probs(logits)
             tok = int(torch.multinomial(q, 1, generator=self.generator))
             drafted.append(tok)
             qs.append(q)
-            if i + 1 == k or float(q[tok]) < self.exit_confidence or tok in self.end_ids:
+            if tok in self.end_ids:
+                break
+            if self.text is not None:  # looked-up tokens are certain: q is a point mass on each
+                found = self.text.continuation(tokens, drafted, min(self.lookup, room - len(drafted)))
+                for t in found:
+                    drafted.append(t)
+                    qs.append(torch.zeros_like(q).index_fill_(0, torch.tensor([t], device=q.device), 1.0))
+                if found:
+                    break
+            if i + 1 == k or float(q[tok]) < self.exit_confidence:
                 break
             visible = torch.ones(1, model.used + 1, dtype=torch.bool, device=self.device)
             logits = model.run(self._ids([tok]), self._pos([root_pos + i + 1]), visible)[0]
