@@ -78,21 +78,27 @@ class NgramDrafter(Drafter):
         # The suffix n-gram itself ends at len(tokens); it is indexed only once a token follows it,
         # so a lookup finds an earlier occurrence.
         self._index_upto(tokens)
-        length = len(tokens)
+        match = self._match(tokens)
+        if match is None:
+            return DraftTree()
+        n, start = match
+        k = self.draft_len if n > 1 else min(self.draft_len, self.unigram_draft)
+        if self.per_ngram:
+            k = min(k, max(self.min_draft, int(self.per_ngram * n)))
+        k = min(k, budget)
+        if self.branches > 1:
+            return self._tree(tokens, n, start, k, budget)
+        return DraftTree.chain(tokens[start:start + k])
+
+    def _match(self, ends: list[int]) -> tuple[int, int] | None:
+        """``(n, start)``: the longest indexed n-gram ending ``ends`` and where its continuation
+        starts (its preferred occurrence), or None."""
         for n in self.sizes:
-            if n > length:
-                continue
-            start = self.index[n].get(tuple(tokens[length - n:]))
-            if start is None:
-                continue
-            k = self.draft_len if n > 1 else min(self.draft_len, self.unigram_draft)
-            if self.per_ngram:
-                k = min(k, max(self.min_draft, int(self.per_ngram * n)))
-            k = min(k, budget)
-            if self.branches > 1:
-                return self._tree(tokens, n, start, k, budget)
-            return DraftTree.chain(tokens[start:start + k])
-        return DraftTree()
+            if n <= len(ends):
+                start = self.index[n].get(tuple(ends[len(ends) - n:]))
+                if start is not None:
+                    return n, start
+        return None
 
     def continuation(self, tokens: list[int], tail: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest n-gram
@@ -100,13 +106,8 @@ class NgramDrafter(Drafter):
         or ``[]``. Only ``tokens`` are searched. Example (``sizes`` 3..2): ``tokens`` ``[5, 6, 7, 8, 5]``
         and ``tail`` ``[6]`` end with ``(5, 6)``, which was followed by ``7, 8, 5``."""
         self._index_upto(tokens)
-        ends = tokens[max(0, len(tokens) - self.sizes[0]):] + tail
-        for n in self.sizes:
-            if n <= len(ends):
-                start = self.index[n].get(tuple(ends[len(ends) - n:]))
-                if start is not None:
-                    return tokens[start:start + k]
-        return []
+        match = self._match(tokens[max(0, len(tokens) - self.sizes[0]):] + tail)
+        return tokens[match[1]:match[1] + k] if match is not None else []
 
     def _tree(self, tokens: list[int], n_first: int, start: int, k: int, budget: int) -> DraftTree:
         """The preferred continuation plus other occurrences' continuations with different next tokens."""

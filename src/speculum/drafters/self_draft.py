@@ -155,13 +155,11 @@ class SelfDrafter(Drafter):
             qs.append(q)
             if tok in self.end_ids:
                 break
-            if self.text is not None:  # looked-up tokens are certain: q is a point mass on each
-                found = self.text.continuation(tokens, drafted, min(self.lookup, room - len(drafted)))
-                for t in found:
-                    drafted.append(t)
-                    qs.append(torch.zeros_like(q).index_fill_(0, torch.tensor([t], device=q.device), 1.0))
-                if found:
-                    break
+            found = self._looked_up(tokens, drafted, room)
+            if found:  # looked-up tokens are certain: q is a point mass on each
+                drafted += found
+                qs += torch.nn.functional.one_hot(self._ids(found), q.shape[-1]).to(q.dtype)
+                break
             if i + 1 == k or float(q[tok]) < self.exit_confidence:
                 break
             visible = torch.ones(1, model.used + 1, dtype=torch.bool, device=self.device)
@@ -176,7 +174,7 @@ class SelfDrafter(Drafter):
         room = min(self.max_nodes, budget)
         level = grow.add_children([-1], torch.log_softmax(root_logits[None].float(), -1))
         for d in range(1, depth + 1):
-            if self.text is not None and self.top_k == 1 and self._look_up(grow, level[0], tokens, room):
+            if self.top_k == 1 and self._look_up(grow, level[0], tokens, room):
                 break
             if d == depth:
                 break
@@ -192,11 +190,16 @@ class SelfDrafter(Drafter):
             level = grow.add_children(frontier, torch.log_softmax(logits.float(), -1))
         return grow.result(room)
 
+    def _looked_up(self, tokens: list[int], chain: list[int], room: int) -> list[int]:
+        """What followed an earlier occurrence of ``chain``'s end in ``tokens`` (``lookup`` tokens at
+        most, within ``room`` nodes with ``chain``'s own), or ``[]``: also without a lookup or after an EOS."""
+        if self.text is None or chain[-1] in self.end_ids:
+            return []
+        return self.text.continuation(tokens, chain, min(self.lookup, room - len(chain)))
+
     def _look_up(self, grow: DynamicTree, node: int, tokens: list[int], room: int) -> bool:
         """Whether the chain ending at ``node`` was found earlier in ``tokens``: then what followed
-        there is added under ``node`` (``lookup`` tokens at most, within ``room`` nodes in all)."""
-        if grow.tokens[node] in self.end_ids:
-            return False
-        found = self.text.continuation(tokens, grow.path(node), min(self.lookup, room - len(grow.tokens)))
+        there is added under ``node``."""
+        found = self._looked_up(tokens, grow.path(node), room)
         grow.add_path(node, found, LOOKUP_PROB)
         return bool(found)
