@@ -2,13 +2,7 @@
 own decoder, with something taken away (:class:`~speculum.runners.self_draft.SelfDraft`), drafts
 over the target's KV cache.
 
-With ``root_lookup`` (the default), a step whose committed text ends with 2-3 tokens that occurred
-before drafts no forward at all: it proposes the tokens that followed them there, prompt lookup
-(:class:`~speculum.drafters.ngram.NgramDrafter`, its adaptive draft length), unscored, as a chain
-(SAM-Decoding's rule: retrieval where the text has a match, the draft model elsewhere). Where the
-text is being copied this drafts as far as prompt lookup does, for no draft time.
-
-Otherwise the root runs first (the committed tokens are already in the target's cache: there is
+Each step the root runs first (the committed tokens are already in the target's cache: there is
 nothing to catch up on); its logits give the first depth. Then, greedy:
 
 - ``top_k=1``: a chain, stopped early where the drafted token's own probability falls below
@@ -26,7 +20,7 @@ temperature / top-k / top-p on the draft logits), q attached for the verifier's 
 the chain stops where the drawn token's q falls below ``exit_confidence`` (a rule on the draft
 alone, so the output distribution stays the target's). The lookup applies as for greedy chains,
 each looked-up token proposed with certainty (q a point mass on it: accepted with the target's
-probability p of it, as a model-free draft is); so does the root lookup's chain.
+probability p of it, as a model-free draft is).
 
 A quantized draft's LM head covers part of the vocabulary where one is known
 (:class:`~speculum.runners.quantized.TrimmedHead`, ``trim``): the frequent tokens of a head shipped
@@ -72,7 +66,7 @@ class SelfDrafter(Drafter):
 
     def __init__(self, target: torch.nn.Module, top_k: int = 1, depth: int = 6, max_nodes: int = 24,
                  exit_confidence: float = 0.5, min_path_prob: float = 0.02, draft_head=None, trim: bool = True,
-                 trim_vocab: torch.Tensor | None = None, lookup: int = 8, root_lookup: bool = True):
+                 trim_vocab: torch.Tensor | None = None, lookup: int = 8):
         # draft_head: the learned drafters' head files, passed to every method that reads the target; unused here
         # trim: a quantized head over ``trim_vocab`` (default: a shipped head's draft vocabulary, where
         # one ships for the target) plus each request's prompt tokens; the whole vocabulary otherwise
@@ -85,11 +79,9 @@ class SelfDrafter(Drafter):
         self.target_cache = None
         if lookup < 0:
             raise SpeculumError(f"lookup is a number of tokens >= 0, not {lookup}")
-        # lookup: tokens a chain may take from an earlier occurrence of its last 2-3 tokens (0: none);
-        # root_lookup: a step whose text ends in an earlier 2-3-gram proposes what followed it, no draft forward
-        self.lookup, self.root_lookup = lookup, bool(root_lookup)
-        self.text = NgramDrafter(max_ngram=3, min_ngram=2) if lookup or root_lookup else None
-        self.looked_up_root = False  # whether this step's tree is the root lookup's (its length adapts)
+        # lookup: tokens a chain may take from an earlier occurrence of its last 2-3 tokens (0: none)
+        self.lookup = lookup
+        self.text = NgramDrafter(max_ngram=3, min_ngram=2) if lookup else None
 
     def fork(self) -> SelfDrafter:
         twin = super().fork()
@@ -135,16 +127,8 @@ class SelfDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, tokens: list[int], budget: int) -> DraftTree:
         cache = self.target_cache
-        self.looked_up_root = False
         if budget <= 0 or cache is None or cache.length != len(tokens) - 1:
             return DraftTree()
-        if self.root_lookup:
-            found = self.text.propose(tokens, budget)
-            if len(found):
-                self.looked_up_root = True
-                if self.params.greedy:
-                    return found
-                return DraftTree.chain(found.tokens, self._point_masses(found.tokens))
         model = self.model_for(tokens)
         depth = min(self.depth, budget)
         model.begin(cache, 1 + depth * max(self.top_k, 1), tokens)
@@ -154,15 +138,6 @@ class SelfDrafter(Drafter):
         if not self.params.greedy:
             return self._sampled_chain(model, logits, root_pos, depth, tokens, min(self.max_nodes, budget))
         return self._tree(model, logits, root_pos, depth, budget, tokens)
-
-    def update(self, tokens, tree, acceptance, logits=None) -> None:
-        if self.looked_up_root:  # the root lookup's draft length follows what its chains get
-            self.text.update(tokens, tree, acceptance, logits)
-
-    def _point_masses(self, ids: list[int]) -> torch.Tensor:
-        """``[len(ids), V]`` q of tokens proposed with certainty (looked up in the text)."""
-        vocab = self.decoder.shape.vocab
-        return torch.nn.functional.one_hot(self._ids(ids), vocab).to(torch.float32)
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, device=self.device)
@@ -183,7 +158,7 @@ class SelfDrafter(Drafter):
             found = self._looked_up(tokens, drafted, room)
             if found:  # looked-up tokens are certain: q is a point mass on each
                 drafted += found
-                qs += self._point_masses(found)
+                qs += torch.nn.functional.one_hot(self._ids(found), q.shape[-1]).to(q.dtype)
                 break
             if i + 1 == k or float(q[tok]) < self.exit_confidence:
                 break
@@ -218,7 +193,7 @@ class SelfDrafter(Drafter):
     def _looked_up(self, tokens: list[int], chain: list[int], room: int) -> list[int]:
         """What followed an earlier occurrence of ``chain``'s end in ``tokens`` (``lookup`` tokens at
         most, within ``room`` nodes with ``chain``'s own), or ``[]``: also without a lookup or after an EOS."""
-        if not self.lookup or chain[-1] in self.end_ids:
+        if self.text is None or chain[-1] in self.end_ids:
             return []
         return self.text.continuation(tokens, chain, min(self.lookup, room - len(chain)))
 
