@@ -46,9 +46,6 @@ from .base import Drafter
 from .dynamic_tree import DynamicTree
 from .ngram import NgramDrafter
 
-# the acceptance a looked-up token is scored with, per token (for the engine's tree sizer)
-LOOKUP_PROB = 0.7
-
 
 def native_decoder(target: torch.nn.Module, who: str) -> NativeDecoder:
     """The target's native decoder (raises :class:`SpeculumError` where the native runner cannot run it)."""
@@ -200,6 +197,4 @@ class SelfDrafter(Drafter):
     def _look_up(self, grow: DynamicTree, node: int, tokens: list[int], room: int) -> bool:
         """Whether the chain ending at ``node`` was found earlier in ``tokens``: then what followed
         there is added under ``node``."""
-        found = self._looked_up(tokens, grow.path(node), room)
-        grow.add_path(node, found, LOOKUP_PROB)
-        return bool(found)
+        return self.text is not None and grow.look_up([node], self.text, tokens, self.lookup, room)
