@@ -9,10 +9,9 @@ grows EAGLE-2's dynamic tree (:mod:`speculum.drafters.dynamic_tree`): expanding 
 head forward whose pair is the parent's *predicted* feature and the node's token, attending the
 node's ancestors in the head's cache; all nodes of one depth go in one forward.
 
-With ``lookup`` (``k > 0``, greedy), after each depth the best path so far is looked up in the text as
-the self-drafters' chains are (:meth:`~speculum.drafters.ngram.NgramDrafter.continuation`, its last
-2-3 tokens): where it occurred before, the ``k`` tokens that followed it there hang under it and
-drafting stops. Copied text then costs one head forward, not one per depth.
+With ``lookup`` (``k > 0``, greedy), after each depth the best path so far is looked up in the text
+(:mod:`speculum.drafters.text_lookup`): where it occurred before, the ``k`` tokens that followed it
+there hang under it and drafting stops. Copied text then costs one head forward, not one per depth.
 
 ``full_vocab`` drafts through the target's whole LM head even where the head was trained with a
 trimmed one (``eagle_fullvocab``: what the trimming saves).
@@ -29,17 +28,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import SpeculumError
 from ..heads import HeadCache, head_for_target
 from ..tree import DraftTree
 from .base import Drafter
 from .dynamic_tree import DynamicTree
-from .ngram import NgramDrafter
+from .text_lookup import TextLookup
 
 CATCH_UP_CHUNK = 512  # pairs per head forward while catching up (a prompt's)
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(TextLookup, Drafter):
     name = "eagle"
 
     def __init__(self, target: torch.nn.Module, draft_head: str | Path | None = None, top_k: int = 8,
@@ -54,21 +52,10 @@ class EagleDrafter(Drafter):
         self.hidden_layers = cfg.fuse_layers or (top if cfg.feature_layer < 0 else cfg.feature_layer,)
         self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
         self.min_path_prob = min_path_prob
-        if lookup < 0:
-            raise SpeculumError(f"lookup is a number of tokens >= 0, not {lookup}")
-        self.lookup = lookup  # tokens the best path may take from an earlier occurrence in the text (0: none)
-        self.text = NgramDrafter(max_ngram=3, min_ngram=2) if lookup else None
-
-    def fork(self) -> EagleDrafter:
-        twin = super().fork()
-        if self.text is not None:
-            twin.text = self.text.fork()
-        return twin
+        self.init_lookup(lookup)
 
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
-        if self.text is not None:
-            self.text.reset(prompt_ids, params, generator)
         self.cache = HeadCache(self.head.config, len(prompt_ids) + 512, self.dtype, self.device)
         self.unseen: list[torch.Tensor] = []  # [m, D] (fused: [m, layers * D]) states of cached tokens not yet read
         self.fed = 0  # pairs committed to the head's cache: (f_t, x_{t+1}) for t < fed
@@ -151,7 +138,7 @@ class EagleDrafter(Drafter):
                                   self._token_ids)
         feats = {-1: root_feat}
         for depth in range(1, min(self.depth, budget)):
-            if self._look_up(grow, level, tokens, room):
+            if self.look_up_under(grow, level, tokens, room):
                 break
             frontier = grow.frontier(level)
             if not frontier:  # no path left worth a head forward: stop drafting deeper
@@ -174,10 +161,5 @@ class EagleDrafter(Drafter):
             level = grow.add_children(frontier, torch.log_softmax(self.tables.logits(out).float(), -1),
                                       self._token_ids)
         else:
-            self._look_up(grow, level, tokens, room)
+            self.look_up_under(grow, level, tokens, room)
         return grow.result(room)
-
-    def _look_up(self, grow: DynamicTree, level: list[int], tokens: list[int], room: int) -> bool:
-        """Whether the best path of ``level`` occurred earlier in the text (what followed is then
-        added under it); False without a lookup."""
-        return self.text is not None and grow.look_up(level, self.text, tokens, self.lookup, room)

@@ -4,7 +4,9 @@ Head ``k`` (:mod:`speculum.heads.hydra`) reads the feature of the token before t
 embeddings of the root and the path drafted down to depth ``k - 1``, and predicts the token at depth
 ``k``. So, unlike ``medusa``, each branch gets its own continuation, and the tree grows as EAGLE-2's
 dynamic tree (:mod:`speculum.drafters.dynamic_tree`): depth ``k`` expands the best nodes of depth
-``k - 1`` in one call of head ``k``. Sampled requests draft a chain, each token drawn from its
+``k - 1`` in one call of head ``k``; with ``lookup``, after each depth the best path is looked up in
+the text (:mod:`speculum.drafters.text_lookup`) and, where it occurred before, what followed it there
+ends the draft. Sampled requests draft a chain, each token drawn from its
 head's distribution q given the tokens drawn before it, q attached for the verifier.
 """
 
@@ -15,14 +17,17 @@ import torch
 from ..tree import DraftTree
 from .dynamic_tree import DynamicTree
 from .medusa import HeadDrafter
+from .text_lookup import TextLookup
 
 
-class HydraDrafter(HeadDrafter):
+class HydraDrafter(TextLookup, HeadDrafter):
     name = kind = "hydra"
 
-    def __init__(self, target, draft_head=None, top_k: int = 8, max_nodes: int = 48, min_path_prob: float = 0.02):
+    def __init__(self, target, draft_head=None, top_k: int = 8, max_nodes: int = 48, min_path_prob: float = 0.02,
+                 lookup: int = 8):
         super().__init__(target, draft_head, top_k, max_nodes)
         self.min_path_prob = min_path_prob
+        self.init_lookup(lookup)
 
     def _logits(self, k: int, paths: list[list[int]]) -> torch.Tensor:
         """Head ``k``'s draft logits ``[m, K]`` for ``m`` paths (root first, ``k`` tokens each)."""
@@ -42,11 +47,16 @@ class HydraDrafter(HeadDrafter):
                 qs.append(q)
             return DraftTree.chain(path[1:], torch.stack(qs))
         grow = DynamicTree(self.top_k, self.min_path_prob, self.end_ids)
+        room = min(self.max_nodes, budget)
         level = grow.add_children([-1], torch.log_softmax(self._logits(1, [[root]]), -1), self.token_ids)
         for k in range(2, depth + 1):
+            if self.look_up_under(grow, level, tokens, room):
+                break
             frontier = grow.frontier(level)
             if not frontier:
                 break
             logp = torch.log_softmax(self._logits(k, [[root] + grow.path(i) for i in frontier]), -1)
             level = grow.add_children(frontier, logp, self.token_ids)
-        return grow.result(min(self.max_nodes, budget))
+        else:
+            self.look_up_under(grow, level, tokens, room)
+        return grow.result(room)

@@ -13,6 +13,10 @@ draft is unsure: with ``top_k=1`` (the paper's chains) when a token's own probab
 Expanding a node runs its token through the shallow layers and the adapter, attending its
 ancestors' pending entries; all nodes of one depth go in one call.
 
+With ``lookup`` (greedy), after each depth the best path is looked up in the text
+(:mod:`speculum.drafters.text_lookup`): where it occurred before, what followed it there ends the
+draft without further draft forwards.
+
 Sampled requests draft a chain, each token drawn from the draft's own distribution q, q attached
 for the verifier. The verifier recomputes the drafted tokens' shallow layers (the paper reuses
 them); that costs ``exit_layer`` layers of rows per step.
@@ -33,15 +37,17 @@ from ..runners.subset import LayerSubset
 from ..tree import DraftTree
 from .base import Drafter
 from .dynamic_tree import DynamicTree
+from .text_lookup import TextLookup
 
 CATCH_UP_CHUNK = 512  # tokens per shallow forward while catching up (a prompt's)
 
 
-class KangarooDrafter(Drafter):
+class KangarooDrafter(TextLookup, Drafter):
     name = "kangaroo"
 
     def __init__(self, target: torch.nn.Module, draft_head: str | Path | None = None, top_k: int = 1,
-                 depth: int = 6, max_nodes: int = 24, exit_confidence: float = 0.6, min_path_prob: float = 0.02):
+                 depth: int = 6, max_nodes: int = 24, exit_confidence: float = 0.6, min_path_prob: float = 0.02,
+                 lookup: int = 8):
         self.adapter, self.tables, self.path = head_for_target(target, "kangaroo", draft_head)
         try:
             self.decoder = runner_for(target, "native").decoder
@@ -54,6 +60,7 @@ class KangarooDrafter(Drafter):
         self.vocab_size = self.decoder.shape.vocab
         self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
         self.exit_confidence, self.min_path_prob = exit_confidence, min_path_prob
+        self.init_lookup(lookup)
 
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
@@ -100,7 +107,7 @@ class KangarooDrafter(Drafter):
             return DraftTree()
         if not self.params.greedy:
             return self._sampled_chain(root_feat, len(tokens) - 1, min(budget, self.depth))
-        return self._tree(root_feat, len(tokens) - 1, budget)
+        return self._tree(root_feat, len(tokens) - 1, budget, tokens)
 
     def _sampled_chain(self, feat: torch.Tensor, root_pos: int, k: int) -> DraftTree:
         drafted, qs = [], []
@@ -118,12 +125,15 @@ class KangarooDrafter(Drafter):
             feat = self._run(drafted[-1:], torch.tensor([root_pos + i + 1], device=self.device), visible)[0]
         return DraftTree.chain(drafted, torch.stack(qs))
 
-    def _tree(self, root_feat: torch.Tensor, root_pos: int, budget: int) -> DraftTree:
+    def _tree(self, root_feat: torch.Tensor, root_pos: int, budget: int, tokens: list[int]) -> DraftTree:
         grow = DynamicTree(self.top_k, self.min_path_prob if self.top_k > 1 else 0.0, self.end_ids)
         slot: dict[int, int] = {}  # expanded node -> its pending slot (in both caches)
         anc: dict[int, list[int]] = {-1: []}  # node -> pending slots of its expanded ancestors
+        room = min(self.max_nodes, budget)
         level = grow.add_children([-1], self._logp(root_feat[None]), self._token_ids)
         for depth in range(1, min(self.depth, budget)):
+            if self.look_up_under(grow, level, tokens, room):
+                break
             frontier = grow.frontier(level)
             if self.top_k == 1:  # the paper's early exit: the token's own confidence
                 frontier = grow.confident(frontier, self.exit_confidence)
@@ -135,4 +145,6 @@ class KangarooDrafter(Drafter):
             positions = torch.full((m,), root_pos + depth, device=self.device)
             feats = self._run([grow.tokens[i] for i in frontier], positions, torch.from_numpy(visible).to(self.device))
             level = grow.add_children(frontier, self._logp(feats), self._token_ids)
-        return grow.result(min(self.max_nodes, budget))
+        else:
+            self.look_up_under(grow, level, tokens, room)
+        return grow.result(room)

@@ -44,7 +44,7 @@ from ..runners.self_draft import SelfDraft, check_plain_cache
 from ..tree import DraftTree
 from .base import Drafter
 from .dynamic_tree import DynamicTree
-from .ngram import NgramDrafter
+from .text_lookup import TextLookup
 
 
 def native_decoder(target: torch.nn.Module, who: str) -> NativeDecoder:
@@ -55,7 +55,7 @@ def native_decoder(target: torch.nn.Module, who: str) -> NativeDecoder:
         raise SpeculumError(f"{who} drafts with the target's own layers on the native runner: {e}") from None
 
 
-class SelfDrafter(Drafter):
+class SelfDrafter(TextLookup, Drafter):
     """Chain / tree drafting through a :class:`SelfDraft` over the target's KV cache."""
 
     reads_cache = True
@@ -74,17 +74,11 @@ class SelfDrafter(Drafter):
         self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
         self.exit_confidence, self.min_path_prob = exit_confidence, min_path_prob
         self.target_cache = None
-        if lookup < 0:
-            raise SpeculumError(f"lookup is a number of tokens >= 0, not {lookup}")
-        # lookup: tokens a chain may take from an earlier occurrence of its last 2-3 tokens (0: none)
-        self.lookup = lookup
-        self.text = NgramDrafter(max_ngram=3, min_ngram=2) if lookup else None
+        self.init_lookup(lookup)  # tokens a chain may take from an earlier occurrence of its last 2-3 tokens
 
     def fork(self) -> SelfDrafter:
         twin = super().fork()
         twin.model = copy.copy(self.model)  # per-step state (the cache it writes into) is per request
-        if self.text is not None:
-            twin.text = self.text.fork()
         return twin
 
     def draft_head(self, target: torch.nn.Module, bits: int):
@@ -103,8 +97,6 @@ class SelfDrafter(Drafter):
     def reset(self, prompt_ids, params, generator) -> None:
         super().reset(prompt_ids, params, generator)
         self.prompt = list(prompt_ids)
-        if self.text is not None:
-            self.text.reset(prompt_ids, params, generator)
         if self.trimmed is not None:
             self.model.head = self.trimmed.with_tokens(self.prompt)
 
@@ -152,7 +144,7 @@ class SelfDrafter(Drafter):
             qs.append(q)
             if tok in self.end_ids:
                 break
-            found = self._looked_up(tokens, drafted, room)
+            found = self.looked_up(tokens, drafted, room)
             if found:  # looked-up tokens are certain: q is a point mass on each
                 drafted += found
                 qs += torch.nn.functional.one_hot(self._ids(found), q.shape[-1]).to(q.dtype)
@@ -171,7 +163,7 @@ class SelfDrafter(Drafter):
         room = min(self.max_nodes, budget)
         level = grow.add_children([-1], torch.log_softmax(root_logits[None].float(), -1))
         for d in range(1, depth + 1):
-            if self.top_k == 1 and self._look_up(grow, level[0], tokens, room):
+            if self.top_k == 1 and self.look_up_under(grow, level[:1], tokens, room):
                 break
             if d == depth:
                 break
@@ -186,15 +178,3 @@ class SelfDrafter(Drafter):
                                torch.from_numpy(visible).to(self.device))
             level = grow.add_children(frontier, torch.log_softmax(logits.float(), -1))
         return grow.result(room)
-
-    def _looked_up(self, tokens: list[int], chain: list[int], room: int) -> list[int]:
-        """What followed an earlier occurrence of ``chain``'s end in ``tokens`` (``lookup`` tokens at
-        most, within ``room`` nodes with ``chain``'s own), or ``[]``: also without a lookup or after an EOS."""
-        if self.text is None or chain[-1] in self.end_ids:
-            return []
-        return self.text.continuation(tokens, chain, min(self.lookup, room - len(chain)))
-
-    def _look_up(self, grow: DynamicTree, node: int, tokens: list[int], room: int) -> bool:
-        """Whether the chain ending at ``node`` was found earlier in ``tokens``: then what followed
-        there is added under ``node``."""
-        return self.text is not None and grow.look_up([node], self.text, tokens, self.lookup, room)
