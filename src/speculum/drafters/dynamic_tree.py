@@ -28,9 +28,6 @@ import torch
 
 from ..tree import DraftTree
 
-# the acceptance a token looked up in the text is scored with, per token (for the engine's tree sizer)
-LOOKUP_PROB = 0.7
-
 
 class DynamicTree:
     """One step's growing tree: ``tokens``, ``parents`` and ``scores`` ``[n]`` of the nodes made so far."""
@@ -68,24 +65,6 @@ class DynamicTree:
             self.parents.append(node)
             self.scores.append(base + step)
             node = len(self.tokens) - 1
-
-    def look_up(self, level: list[int], text, tokens: list[int], k: int, room: int) -> bool:
-        """Look the best path of ``level`` up in the text (``text.continuation``, an
-        :class:`~speculum.drafters.ngram.NgramDrafter` over the committed ``tokens``): where it
-        occurred before, up to ``k`` tokens that followed it there (the path's own included, at
-        most ``room`` nodes deep) are added under it, each scored :data:`LOOKUP_PROB`. Returns
-        whether any were: a drafter then stops drafting deeper. Nothing is looked up past an end token."""
-        if not level or k <= 0:
-            return False
-        best = max(level, key=lambda i: (self.scores[i], -i))
-        if self.tokens[best] in self.ends:
-            return False
-        path = self.path(best)
-        if room - len(path) <= 0:
-            return False
-        found = text.continuation(tokens, path, min(k, room - len(path)))
-        self.add_path(best, found, LOOKUP_PROB)
-        return bool(found)
 
     def frontier(self, level: list[int]) -> list[int]:
         """The nodes of ``level`` to expand next: the ``top_k`` best above ``min_path_prob``, none

@@ -3,8 +3,8 @@
 After each drafted depth, the best path so far is looked up in the request's committed tokens,
 prompt-lookup style (:meth:`~speculum.drafters.ngram.NgramDrafter.continuation`: its last 2-3
 tokens, the drafted ones included). Where it occurred before, the ``lookup`` tokens that followed
-it there hang under it (:meth:`~speculum.drafters.dynamic_tree.DynamicTree.look_up`) and the
-drafter stops drafting deeper: copied text (a quoted question, a needle's value, a summary's
+it there hang under it (:meth:`~speculum.drafters.dynamic_tree.DynamicTree.add_path`, each scored
+:data:`LOOKUP_PROB`) and the drafter stops drafting deeper: copied text (a quoted question, a needle's value, a summary's
 phrases) costs one draft forward instead of one per token.
 
 :class:`TextLookup` is a mixin: a drafter lists it before :class:`~speculum.drafters.base.Drafter`,
@@ -17,6 +17,9 @@ from __future__ import annotations
 from ..errors import SpeculumError
 from .dynamic_tree import DynamicTree
 from .ngram import NgramDrafter
+
+# the acceptance a token looked up in the text is scored with, per token (for the engine's tree sizer)
+LOOKUP_PROB = 0.7
 
 
 class TextLookup:
@@ -46,11 +49,18 @@ class TextLookup:
         """What followed an earlier occurrence of ``chain``'s end in ``tokens`` (``lookup`` tokens at
         most, within ``room`` nodes with ``chain``'s own), or ``[]``: also without a lookup or after
         an end token."""
-        if self.text is None or chain[-1] in self.end_ids:
+        k = min(self.lookup, room - len(chain))
+        if self.text is None or k <= 0 or chain[-1] in self.end_ids:
             return []
-        return self.text.continuation(tokens, chain, min(self.lookup, room - len(chain)))
+        return self.text.continuation(tokens, chain, k)
 
     def look_up_under(self, grow: DynamicTree, level: list[int], tokens: list[int], room: int) -> bool:
-        """Whether the best path of ``level`` occurred earlier in ``tokens``: then what followed it
-        there is added under it (and the caller stops drafting deeper)."""
-        return self.text is not None and grow.look_up(level, self.text, tokens, self.lookup, room)
+        """Whether the best path of ``level`` (the highest-scoring node's) occurred earlier in
+        ``tokens``: then what followed it there is added under it (and the caller stops drafting
+        deeper)."""
+        if self.text is None or not level:
+            return False
+        best = max(level, key=lambda i: (grow.scores[i], -i))
+        found = self.looked_up(tokens, grow.path(best), room)
+        grow.add_path(best, found, LOOKUP_PROB)
+        return bool(found)
