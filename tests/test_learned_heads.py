@@ -20,7 +20,8 @@ from conftest import (
 from test_sampling import VOCAB, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.drafters import DRAFTERS
-from speculum.engine import Engine
+from speculum.drafters.auto import MODEL_FREE_ARMS, AutoDrafter
+from speculum.engine import Engine, step
 from speculum.errors import SpeculumError
 from speculum.heads import load_head
 from speculum.methods import build_method
@@ -194,3 +195,30 @@ def test_auto_with_every_learned_arm_equals_ar(tiny_model, tmp_path):
         assert auto.run(p, 40).tokens == ar.run(p, 40).tokens
         chosen.update(auto.engine.drafter.chosen)
     assert {"eagle", *KINDS} <= chosen
+
+
+def test_auto_drafts_with_model_free_arms_in_a_batch(tiny_model, tmp_path, monkeypatch):
+    """Sharing a step with other sequences, ``auto`` picks among its model-free arms only (a learned
+    arm's forwards would hold up the whole batch); alone again, its learned arms draft. Lossless
+    throughout."""
+    picks = []  # (batched, arm) of every step
+    start_step = AutoDrafter.start_step
+
+    def spy(self, length):
+        arm = start_step(self, length)
+        picks.append((self.batched, arm))
+        return arm
+
+    monkeypatch.setattr(AutoDrafter, "start_step", spy)
+    auto = build_method("auto", tiny_model, None, draft_head=random_heads(tiny_model, tmp_path), sized=False)
+    ar = build_method("ar", tiny_model, None)
+    ps, news = prompts(5, n=3), [8, 16, 60]  # the last one ends alone
+    engine = auto.engine
+    pool = engine.runner.new_pool(len(ps), 128)
+    decodings = [engine.start(p, n, cache=pool.acquire(), drafter=engine.drafter.fork()) for p, n in zip(ps, news)]
+    while any(d.reason is None for d in decodings):
+        step([d for d in decodings if d.reason is None])
+    assert [d.generated for d in decodings] == [ar.run(p, n).tokens for p, n in zip(ps, news)]
+    batched, alone = {arm for b, arm in picks if b}, {arm for b, arm in picks if not b}
+    assert batched and batched <= set(MODEL_FREE_ARMS)
+    assert alone - set(MODEL_FREE_ARMS)

@@ -242,11 +242,13 @@ class Decoding:
                 self.drafter.see_hidden({i: torch.cat([p[i] for p in parts]) for i in parts[0]})
             self.prefill_s += time.perf_counter() - t
 
-    def draft(self) -> DraftTree:
-        """The drafter's tree for this step, shaped by the guide (at most the room left)."""
+    def draft(self, sequences: int = 1) -> DraftTree:
+        """The drafter's tree for this step, shaped by the guide (at most the room left);
+        ``sequences``: how many decoding sequences the step's forward serves."""
         e, runner = self.engine, self.runner
         left = self.max_new_tokens - len(self.generated) - 1
         self.room = max(min(e.max_tree, left, runner.max_length - len(self.tokens) - 1), 0)
+        self.drafter.see_batch(sequences)
         tree = self.drafter.propose(self.tokens, self.room)
         if len(tree) > self.room:
             raise RuntimeError(f"{self.drafter.name} drafted {len(tree)} nodes with a budget of {self.room}")
@@ -310,7 +312,7 @@ def step(decodings: Sequence[Decoding], sizer: TreeSizer | None = None,
     ``prefills``: ``(decoding, prompt chunk)`` pairs of decodings still prefilling, whose chunks
     ride in the same forward (:meth:`Decoding.next_chunk`)."""
     t_a = time.perf_counter()
-    trees = [d.draft() for d in decodings]
+    trees = [d.draft(len(decodings)) for d in decodings]
     if sizer is not None:
         if len(decodings) == 1:
             if decodings[0].scored:
