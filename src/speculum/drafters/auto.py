@@ -31,10 +31,10 @@ whole text (prompt and output) whichever arm drafted.
 among its model-free arms only (``mix``, ``ngram``, ``none``), with evidence of their own. A learned
 or self-drafting arm runs forwards of its own for its one sequence, one sequence after another, and
 the whole batch waits for them; its sequence's timing is the batch's step, the same as every other
-sequence's, so the bandit would never see what that arm costs. Measured on one serve-like engine
-(one kernel thread, 24 mixed Spec-Bench prompts, 64 new tokens, batches of 4): auto made 44.3 tok/s
-with its learned arms drafting in batches and 50.2 without them (BENCHMARKS.md, "Serving"). The
-learned arms still read every step's hidden states, and draft again once their sequence steps alone.
+sequence's, so the bandit would never see what that arm costs (BENCHMARKS.md, "``auto`` in a
+batch"). The learned arms still read every step's hidden states, and draft again once their
+sequence steps alone. (The server's ``auto`` has no learned arms at all: see
+:meth:`~speculum.server.app.ServerState.get_method`.)
 """
 
 from __future__ import annotations
