@@ -241,14 +241,16 @@ def test_client_mistakes_are_4xx(server):
     assert _error(post("/chat/completions", {**CHAT, "seed": 2 ** 64}), 400)["param"] == "seed"
     assert _error(post("/chat/completions", {**CHAT, "seed": -(2 ** 63) - 1}), 400)["param"] == "seed"
     assert post("/chat/completions", {**CHAT, "seed": 2 ** 64 - 1}).status_code == 200
-    for field, value in [("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("logit_bias", {"5": 3}),
-                         ("best_of", 2), ("top_logprobs", 2), ("tool_choice", "auto")]:
+    for field, value in [("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0),
+                         ("logit_bias", {"5": 3}), ("best_of", 2), ("top_logprobs", 2), ("tool_choice", "auto")]:
         assert _error(post("/chat/completions", {**CHAT, field: value}), 400)["param"] == field, field
     assert _error(post("/completions", {"model": "smollm2", "prompt": "a", "suffix": "b"}), 400)["param"] == "suffix"
     assert _error(post("/chat/completions", {**CHAT, "speculum": {"methd": "ngram"}}), 400)["param"] \
         .startswith("speculum")
     assert _error(post("/chat/completions", {**CHAT, "stop": ["x" * 1000]}), 400)["param"] == "stop"
     assert post("/chat/completions", {**CHAT, "presence_penalty": 0, "user": "u1", "metadata": {}}).status_code == 200
+    assert post("/chat/completions", {**CHAT, "presence_penalty": 0.5, "frequency_penalty": -1.0,
+                                      "repetition_penalty": 1.2}).status_code == 200
 
 
 def _queue_is_free(state, timeout=5.0):

@@ -52,6 +52,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide positive logits (multiply negative ones) of tokens already in the prompt or "
+                        "output by this (transformers' and vLLM's; default 1.0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times a token's count in the output from its logit (OpenAI's, -2..2; "
+                        "default 0 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logit of every token already in the output (OpenAI's, -2..2; "
+                        "default 0 = off)")
 
 
 HEAD_HELP = ("trained head files for the learned drafters (eagle, medusa, hydra, kangaroo, ppd), from `speculum train-draft`, "
@@ -397,7 +406,8 @@ def _constraint(args):
 def _sampling(args):
     from .sampling import SamplingParams
 
-    return SamplingParams(args.temperature, args.top_k, args.top_p)
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty,
+                          args.frequency_penalty, args.presence_penalty)
 
 
 def _load(args, methods: list[str], prompt: str | None = None):

@@ -6,7 +6,9 @@ committed), the :class:`~speculum.tree_sizing.TreeSizer` trims it to what
 pays on this hardware, the runner (:mod:`speculum.runners`) scores ``[root] + tree`` in one forward
 pass, the :class:`~speculum.verify.Verifier` picks the accepted path and the bonus token, and the
 runner commits them to the KV cache. A constraint's work sits behind one
-:class:`~speculum.constrain.guide.Guide`; stops are :class:`~speculum.stops.Stops`'.
+:class:`~speculum.constrain.guide.Guide`; stops are :class:`~speculum.stops.Stops`'; a request's
+repetition, frequency and presence penalties change every row's logits along its own tree path
+before verification (:mod:`speculum.penalties`).
 
 Words, once for the whole package:
 
@@ -38,6 +40,7 @@ from .constrain.guide import guide_for
 from .constrain.matcher import Grammar, compile_constraint
 from .drafters.base import Drafter
 from .errors import SpeculumError
+from .penalties import Penalties
 from .result import GenerationResult, StepStats
 from .runners import PolicyRunner, runner_for
 from .sampling import SamplingParams
@@ -198,6 +201,9 @@ class Decoding:
         self.started = False  # prefilled and the drafter reset
         self.prompt_hidden: list[dict[int, torch.Tensor]] = []  # prefill chunks' hidden states, for the drafter
         self.scored = False  # whether this step's drafted tree came with node scores (before shaping)
+        params = verifier.params
+        self.penalties = Penalties(params, prompt, self.runner.vocab_size, self.runner.device) \
+            if params.penalized else None
 
     @property
     def prefilled(self) -> bool:
@@ -269,7 +275,7 @@ class Decoding:
         ``prompt_logits``: its prompt rows' ``[e, V]`` (where they ran)."""
         t = time.perf_counter()
         guide, stops = self.guide, self.stops
-        logits = guide.mask(raw_logits)
+        logits = guide.mask(raw_logits if self.penalties is None else self.penalties.apply(tree, raw_logits))
         acc = self.verifier.accept(tree, logits, position=len(self.tokens))
         verify_s += time.perf_counter() - t
         t_c = time.perf_counter()
@@ -277,6 +283,8 @@ class Decoding:
         left = min(self.max_new_tokens - len(self.generated), self.runner.max_length - len(self.tokens))
         new, self.reason = stops.extend(self.generated, self.tokens, *guide.close(acc.tokens, left))
         guide.commit(new)
+        if self.penalties is not None:
+            self.penalties.commit(new)
         if self.reason is None:
             if self.drafter.hidden_layers:
                 rows = torch.tensor([0] + [i + 1 for i in acc.path], device=raw_logits.device)

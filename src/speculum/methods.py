@@ -86,6 +86,9 @@ class HFMethod:
         sampling = sampling or SamplingParams()
         if not prompt_ids:
             raise SpeculumError("the prompt is empty")
+        if sampling.frequency_penalty or sampling.presence_penalty:
+            raise SpeculumError("transformers' generate has no frequency or presence penalty: use a speculum "
+                                "method (ar, auto, ...) for them")
         cfg = GenerationConfig(
             max_new_tokens=max_new_tokens,
             do_sample=not sampling.greedy,
@@ -95,6 +98,8 @@ class HFMethod:
         )
         if not sampling.greedy:
             cfg.temperature, cfg.top_k, cfg.top_p = sampling.temperature, sampling.top_k or None, sampling.top_p
+        if sampling.repetition_penalty != 1.0:
+            cfg.repetition_penalty = sampling.repetition_penalty
         if self.prompt_lookup:
             cfg.prompt_lookup_num_tokens = self.prompt_lookup
         if stop:

@@ -16,11 +16,19 @@ from .errors import SpeculumError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """``temperature == 0`` means greedy decoding; ``top_k == 0`` and ``top_p == 1`` disable those filters."""
+    """``temperature == 0`` means greedy decoding; ``top_k == 0`` and ``top_p == 1`` disable those filters.
+
+    ``repetition_penalty`` (1: off; transformers' and vLLM's, over the prompt and the output),
+    ``frequency_penalty`` and ``presence_penalty`` (0: off; OpenAI's, over the output, each in
+    [-2, 2]) change the logits before all of that, position by position
+    (:mod:`speculum.penalties`)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) \
@@ -30,6 +38,18 @@ class SamplingParams:
             raise SpeculumError(f"top_k must be an integer >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise SpeculumError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)) \
+                or self.repetition_penalty <= 0:
+            raise SpeculumError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -2.0 <= value <= 2.0):
+                raise SpeculumError(f"{name} must be a number in [-2, 2], got {value}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     @property
     def greedy(self) -> bool:

@@ -352,7 +352,9 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
         elif opts is not None and opts.kv_budget is not None:
             raise APIError("speculum.kv_budget needs speculum.kv_policy", param="speculum.kv_budget")
         try:
-            sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p)
+            sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                                      repetition_penalty=req.repetition_penalty,
+                                      frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty)
             grammar = await state.off_loop(_grammar, req, timeout=state.limits.compile_timeout_s,
                                            pool=state.compile_pool)
         except SpeculumError as e:

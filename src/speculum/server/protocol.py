@@ -3,8 +3,10 @@
 Unknown fields are ignored, as OpenAI does (``user``, ``metadata``, ``store``, ``service_tier``
 and the like change nothing here); known fields of the wrong type or out of range are 400 errors
 naming the field. Features the server does not implement (``n > 1``, ``best_of > 1``, logprobs,
-penalties, ``logit_bias``, ``suffix``, ``echo``, tools) are refused with a clear 400 rather than
-silently ignored; so is an unknown key inside ``speculum``.
+``logit_bias``, ``suffix``, ``echo``, tools) are refused with a clear 400 rather than silently
+ignored; so is an unknown key inside ``speculum``. ``presence_penalty`` and ``frequency_penalty``
+(OpenAI's, in [-2, 2]) and ``repetition_penalty`` (vLLM's extra field) are applied
+(:mod:`speculum.penalties`).
 """
 
 from __future__ import annotations
@@ -93,8 +95,9 @@ class CommonParams(BaseModel):
     # scopes what drafters learn across requests (vLLM's name): requests share it only with the same
     # salt (and the same API key); see ServerState
     cache_salt: str | None = Field(default=None, max_length=256)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)  # not OpenAI's: vLLM's and transformers'
     logit_bias: dict[str, float] | None = None
     top_logprobs: int | None = None
     best_of: int | None = None
@@ -131,8 +134,6 @@ class CommonParams(BaseModel):
 
     _no_logprobs = refuse_set("logprobs", "logprobs are not supported")
     _no_top_logprobs = refuse_set("top_logprobs", "logprobs are not supported")
-    _no_presence = refuse_set("presence_penalty", "presence_penalty is not supported (only 0)")
-    _no_frequency = refuse_set("frequency_penalty", "frequency_penalty is not supported (only 0)")
     _no_bias = refuse_set("logit_bias", "logit_bias is not supported")
 
     def stop_list(self) -> list[str]:
