@@ -39,7 +39,8 @@ __all__ = [
 def generate(model, tokenizer, prompt: str, method: str = "auto", max_new_tokens: int = 128,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
              stop=(), chat: bool | None = None, draft_model=None, draft_tokenizer=None,
-             constraint: ConstraintSpec | None = None, close_reserve: int = 0, **options) -> GenerationResult:
+             constraint: ConstraintSpec | None = None, close_reserve: int = 0, repetition_penalty: float = 1.0,
+             frequency_penalty: float = 0.0, presence_penalty: float = 0.0, **options) -> GenerationResult:
     """Generate a completion of ``prompt`` with ``method`` (see :data:`METHODS`).
 
     ``chat=None`` applies the tokenizer's chat template when it has one. Each call builds a fresh
@@ -47,9 +48,10 @@ def generate(model, tokenizer, prompt: str, method: str = "auto", max_new_tokens
     its ``run``, so that drafters that learn across requests (``suffix``, ``recycling``,
     ``auto``) keep what they learnt. ``constraint`` (e.g. ``ConstraintSpec.json_schema(schema)``)
     restricts the output to a JSON schema, a regex, fixed choices or a Lark grammar;
-    ``close_reserve`` turns on its budget closer (:class:`~speculum.constrain.Grammar`).
+    ``close_reserve`` turns on its budget closer (:class:`~speculum.constrain.Grammar`). The
+    penalties are :class:`SamplingParams`' (off by default).
     """
-    params = SamplingParams(temperature, top_k, top_p)
+    params = SamplingParams(temperature, top_k, top_p, repetition_penalty, frequency_penalty, presence_penalty)
     runner = build_method(method, model, tokenizer, draft_model, draft_tokenizer, **options)
     ids = encode_prompt(tokenizer, prompt, chat)
     grammar = runner.compile(constraint, close_reserve) if constraint is not None else None
