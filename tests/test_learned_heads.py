@@ -20,7 +20,7 @@ from conftest import (
 from test_sampling import VOCAB, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.drafters import DRAFTERS
-from speculum.drafters.auto import MODEL_FREE_ARMS, AutoDrafter
+from speculum.drafters.auto import BATCH_ARM, AutoDrafter
 from speculum.engine import Engine, step
 from speculum.errors import SpeculumError
 from speculum.heads import load_head
@@ -197,10 +197,10 @@ def test_auto_with_every_learned_arm_equals_ar(tiny_model, tmp_path):
     assert {"eagle", *KINDS} <= chosen
 
 
-def test_auto_drafts_with_model_free_arms_in_a_batch(tiny_model, tmp_path, monkeypatch):
-    """Sharing a step with other sequences, ``auto`` picks among its model-free arms only (a learned
-    arm's forwards would hold up the whole batch); alone again, its learned arms draft. Lossless
-    throughout."""
+def test_auto_drafts_with_mix_in_a_batch(tiny_model, tmp_path, monkeypatch):
+    """Sharing a step with other sequences, ``auto`` drafts with ``mix`` (a learned arm's forwards
+    would hold up the whole batch, and the sizer sizes mix's trees for the batch); alone again, its
+    bandit picks among every arm, learned ones included. Lossless throughout."""
     picks = []  # (batched, arm) of every step
     start_step = AutoDrafter.start_step
 
@@ -220,5 +220,5 @@ def test_auto_drafts_with_model_free_arms_in_a_batch(tiny_model, tmp_path, monke
         step([d for d in decodings if d.reason is None])
     assert [d.generated for d in decodings] == [ar.run(p, n).tokens for p, n in zip(ps, news)]
     batched, alone = {arm for b, arm in picks if b}, {arm for b, arm in picks if not b}
-    assert batched and batched <= set(MODEL_FREE_ARMS)
-    assert alone - set(MODEL_FREE_ARMS)
+    assert batched == {BATCH_ARM}
+    assert alone - {"mix", "ngram", "none"}  # a learned arm drafted alone

@@ -27,14 +27,17 @@ only when ``ppd`` drafted that step, so ``ppd`` drafts only on consecutive picks
 request's KV cache; ``lookahead``'s window rides only on the steps it drafts, and its pool reads the
 whole text (prompt and output) whichever arm drafted.
 
-**In a batch** (a step whose forward serves several sequences, :meth:`Drafter.see_batch`) auto picks
-among its model-free arms only (``mix``, ``ngram``, ``none``), with evidence of their own. A learned
-or self-drafting arm runs forwards of its own for its one sequence, one sequence after another, and
-the whole batch waits for them; its sequence's timing is the batch's step, the same as every other
-sequence's, so the bandit would never see what that arm costs (BENCHMARKS.md, "``auto`` in a
-batch"). The learned arms still read every step's hidden states, and draft again once their
-sequence steps alone. (The server's ``auto`` has no learned arms at all: see
-:meth:`~speculum.server.app.ServerState.get_method`.)
+**In a batch** (a step whose forward serves several sequences, :meth:`Drafter.see_batch`) auto drafts
+with ``mix`` and leaves the bandit out. Every sequence's timing there is the batch's step, the
+same whatever arm it drafted with, so the bandit cannot tell its arms apart: a learned or
+self-drafting arm runs forwards of its own for its one sequence while the whole batch waits,
+and no sequence's timing shows it. ``mix``'s trees carry acceptance scores, and the tree sizer
+already cuts every sequence's tree for the batch's throughput, down to nothing where drafting no
+longer pays (:meth:`~speculum.tree_sizing.TreeSizer.select_batch`), which is what the ``none`` arm
+is for alone. Measured on one serve-like engine (BENCHMARKS.md, "``auto`` in a batch"), this made
+``auto`` as fast as ``mix`` in batches of 4. The learned arms still read every step's hidden
+states, and the bandit picks again once the sequence steps alone. (The server's ``auto`` has no
+learned arms at all: see :meth:`~speculum.server.app.ServerState.get_method`.)
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from .rate_bandit import ArmRates, StepClock
 from .recycling import RecyclingDrafter
 from .suffix_merged import SuffixMergedDrafter
 
-MODEL_FREE_ARMS = ("mix", "ngram", "none")  # the arms auto picks from in a batch
+BATCH_ARM = "mix"  # what auto drafts with in a batch
 
 
 class AutoDrafter(Drafter):
@@ -72,15 +75,10 @@ class AutoDrafter(Drafter):
         self.hidden_layers = tuple(sorted({i for d in self.learned.values() for i in d.hidden_layers}))
         self.reads_cache = any(d.reads_cache for d in self.learned.values())  # a self-drafting arm
         self.rates = ArmRates(self.arms, gamma, explore)  # shared with forks
-        self.batch_rates = ArmRates(MODEL_FREE_ARMS, gamma, explore)  # steps shared with other sequences
         self.clock = clock
-        self._clocks()
+        self.steps = StepClock(self.rates, clock)
         self.batched = False  # whether the coming step is shared with other sequences (see_batch)
         self.chosen: list[str] = []  # arm of every step of the current request (for reports)
-
-    def _clocks(self) -> None:
-        """This request's step clocks, alone and in a batch (the evidence they credit is shared)."""
-        self.steps, self.batch_steps = StepClock(self.rates, self.clock), StepClock(self.batch_rates, self.clock)
 
     def fork(self) -> AutoDrafter:
         """Forked arms; the bandit's evidence (:class:`ArmRates`) stays shared."""
@@ -90,8 +88,7 @@ class AutoDrafter(Drafter):
                      "none": self.arms["none"].fork()}
         twin.learned = {name: d.fork() for name, d in self.learned.items()}
         twin.arms.update(twin.learned)
-        twin.chosen, twin.batched = [], False
-        twin._clocks()
+        twin.chosen, twin.batched, twin.steps = [], False, StepClock(self.rates, self.clock)
         return twin
 
     def reset(self, prompt_ids, params, generator):
@@ -100,19 +97,17 @@ class AutoDrafter(Drafter):
             d.end_ids = self.end_ids
             d.reset(prompt_ids, params, generator)
         self.rates.halve()
-        self.batch_rates.halve()
         self.chosen = []
-        self.steps.pending = self.batch_steps.pending = None
+        self.steps.pending = None
 
     def see_batch(self, sequences: int) -> None:
         self.batched = sequences > 1
 
     def start_step(self, length: int) -> str:
-        """Credit the previous step, pick this step's arm (among the model-free ones in a batch) and
-        start its clock; ``length``: tokens so far."""
+        """Credit the previous step (a solo one), pick this step's arm (:data:`BATCH_ARM` in a
+        batch, unclocked) and start its clock; ``length``: tokens so far."""
         self.steps.close(length)
-        self.batch_steps.close(length)
-        arm = (self.batch_steps if self.batched else self.steps).begin(length)
+        arm = BATCH_ARM if self.batched else self.steps.begin(length)
         self.chosen.append(arm)
         return arm
 
@@ -142,5 +137,4 @@ class AutoDrafter(Drafter):
 
     def finish(self, tokens: list[int]) -> None:
         self.steps.close(len(tokens))
-        self.batch_steps.close(len(tokens))
         self.suffix.finish(tokens)

@@ -49,8 +49,8 @@ class Drafter(ABC):
     def see_batch(self, sequences: int) -> None:
         """How many sequences the coming step's forward serves (1: this one alone), told before each
         :meth:`propose`. A drafter whose drafting runs a forward of its own per sequence holds up the
-        whole batch with it, a cost no single sequence's timing shows; ``auto`` drafts with its
-        model-free arms only while it shares a step."""
+        whole batch with it, a cost no single sequence's timing shows; ``auto`` drafts with ``mix``
+        while it shares a step."""
 
     def see_cache(self, cache) -> None:
         """The target's KV cache of this request (after :meth:`reset`), for a drafter that
