@@ -44,23 +44,31 @@ class Penalties:
             self.seen[ids] = True
 
     def apply(self, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
-        """``logits [n + 1, V]`` of the rows ``[root] + tree`` -> penalised float32 logits (same shape)."""
-        n, p = len(tree), self.params
-        counts = self.counts.expand(n + 1, -1)
-        seen = self.seen.expand(n + 1, -1)
-        if n:
-            on_path = torch.from_numpy(tree.ancestor_mask_np()[:, 1:])  # [n + 1, n]: node j on row r's path
-            rows, nodes = on_path.nonzero(as_tuple=True)
-            rows = rows.to(logits.device)
-            toks = torch.tensor(tree.tokens, dtype=torch.long, device=logits.device)[nodes.to(logits.device)]
-            counts = counts.clone().index_put_((rows, toks), torch.ones(len(rows), device=logits.device),
-                                               accumulate=True)
-            seen = seen.clone().index_put_((rows, toks), torch.ones(len(rows), dtype=torch.bool, device=logits.device))
-        out = logits.float()
+        """``logits [n + 1, V]`` of the rows ``[root] + tree`` -> penalised float32 logits (same shape).
+        Only the state the request's penalties read is extended by the rows' paths."""
+        p, out = self.params, logits.float()
+        rows, toks = self._path_tokens(tree, logits.device)
         if p.repetition_penalty != 1.0:
+            seen = self.seen.expand(len(tree) + 1, -1)
+            if rows is not None:
+                seen = seen.clone().index_put_((rows, toks), torch.ones(len(rows), dtype=torch.bool, device=out.device))
             out = torch.where(seen, torch.where(out > 0, out / p.repetition_penalty, out * p.repetition_penalty), out)
-        if p.frequency_penalty:
-            out = out - p.frequency_penalty * counts
-        if p.presence_penalty:
-            out = out - p.presence_penalty * (counts > 0).float()
+        if p.frequency_penalty or p.presence_penalty:
+            counts = self.counts.expand(len(tree) + 1, -1)
+            if rows is not None:
+                counts = counts.clone().index_put_((rows, toks), torch.ones(len(rows), device=out.device),
+                                                   accumulate=True)
+            out = out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
         return out
+
+    @staticmethod
+    def _path_tokens(tree: DraftTree, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(rows, tokens)``, one entry per node on each row's path (row ``r`` of ``[root] + tree``
+        and the token of a node that is ``r``'s node or one of its ancestors), or ``(None, None)``
+        for an empty tree."""
+        if not len(tree):
+            return None, None
+        on_path = torch.from_numpy(tree.ancestor_mask_np()[:, 1:])  # [n + 1, n]: node j on row r's path
+        rows, nodes = on_path.nonzero(as_tuple=True)
+        toks = torch.tensor(tree.tokens, dtype=torch.long)[nodes]
+        return rows.to(device), toks.to(device)
