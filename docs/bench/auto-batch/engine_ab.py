@@ -1,4 +1,9 @@
-"""One serve-like engine in-process, 1 kernel thread: methods interleaved at batch B."""
+"""One serve-like engine in-process, 1 kernel thread: methods interleaved at batch B.
+
+usage: engine_ab.py BATCHES METHOD[:key=value...],... [ROUNDS]. The option ``batch_arms=a+b``
+(``auto`` only) replaces auto's batched bandit arms; it applies only to commits 2c0b714 to
+81d714d (the first version), whose AutoDrafter kept a bandit of its own for batched steps
+(``batch_rates``, ``_clocks``)."""
 import sys, time
 import torch
 import speculum
@@ -28,7 +33,13 @@ def opts(spec):
 methods = {}
 for s in specs:
     name, o = opts(s)
+    batch_arms = o.pop("batch_arms", None)
     methods[s] = build_method(name, model, tok, runner=runner, chains_only=True, **o)
+    if batch_arms:  # commits 2c0b714 to 81d714d only
+        from speculum.drafters.rate_bandit import ArmRates
+        d = methods[s].engine.drafter
+        d.batch_rates = ArmRates(batch_arms.split("+"), d.rates.gamma, d.rates.explore)
+        d._clocks()
 for r in range(rounds):
   for b in batches:
     for s in specs:
