@@ -80,8 +80,3 @@ class StepClock:
         arm = self.rates.pick()
         self.pending = (arm, self.clock(), length)
         return arm
-
-    def start(self, length: int) -> str:
-        """Credit the previous step, then :meth:`begin` this one (a step runs until the next draft)."""
-        self.close(length)
-        return self.begin(length)
