@@ -14,7 +14,7 @@ from .constrain import ConstraintSpec
 from .engine import Engine, GenerationResult
 from .errors import SpeculumError
 from .methods import METHODS, build_method
-from .models import load
+from .loading import load
 from .prompts import encode_prompt
 from .sampling import SamplingParams
 from .tree import DraftTree

@@ -269,9 +269,11 @@ def load_tokenizer_and_config(model: str = "default"):
         raise SpeculumError(f"could not load model {model!r}: {e}") from None
 
 
-def load(model: str = "default", dtype: str | torch.dtype | None = None, device: str | None = None,
-         tokenizer=None):
-    """Load ``(model, tokenizer)``; the model is in eval mode on ``device`` with weights in ``dtype``.
+def load_float(model: str = "default", dtype: str | torch.dtype | None = None, device: str | None = None,
+               tokenizer=None):
+    """Load ``(model, tokenizer)`` with float weights (a GGUF file dequantized); the model is in eval
+    mode on ``device`` with weights in ``dtype``. ``speculum.load`` (:mod:`speculum.loading`) is the
+    entry point, which can also keep a GGUF file's quantization.
 
     Args:
         model: an alias (``default``, ``gemma3``), a ``.gguf`` path, a local HF directory or a hub id.

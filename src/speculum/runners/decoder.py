@@ -134,22 +134,21 @@ class RMSNorm:
 
 
 class Layer:
-    """One decoder layer's weights."""
+    """One decoder layer's weights. ``quant``: the model's quantized matrices by parameter name
+    (``model.speculum_quant``, :mod:`speculum.weights`), ``prefix`` this layer's name in it; the
+    matrices found there run on the quantized kernels, the others as float :class:`Linear`."""
 
-    def __init__(self, hf_layer, shape: DecoderShape, sliding: bool, fused: bool):
+    def __init__(self, hf_layer, shape: DecoderShape, sliding: bool, fused: bool, quant: dict | None = None,
+                 prefix: str = ""):
         attn, mlp = hf_layer.self_attn, hf_layer.mlp
         gemma = shape.family == "gemma3"
         self.sliding = sliding
-        w = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
-        b = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        self.qkv = Linear(torch.cat(w).detach(), None if b[0] is None else torch.cat(b).detach())
-        self.o = Linear(attn.o_proj.weight.detach(),
-                        None if attn.o_proj.bias is None else attn.o_proj.bias.detach())
-        gate_up_bias = None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
-        self.gate_up = Linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-                              None if gate_up_bias is None else gate_up_bias.detach())
-        self.down = Linear(mlp.down_proj.weight.detach(),
-                           None if mlp.down_proj.bias is None else mlp.down_proj.bias.detach())
+        linear = lambda parts, names: _linear(parts, [prefix + n for n in names], quant or {})
+        self.qkv = linear([attn.q_proj, attn.k_proj, attn.v_proj],
+                          ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"])
+        self.o = linear([attn.o_proj], ["self_attn.o_proj"])
+        self.gate_up = linear([mlp.gate_proj, mlp.up_proj], ["mlp.gate_proj", "mlp.up_proj"])
+        self.down = linear([mlp.down_proj], ["mlp.down_proj"])
         norm = lambda m: None if m is None else RMSNorm(m.weight.detach(), _eps(m), gemma, fused)
         self.q_norm = norm(getattr(attn, "q_norm", None))
         self.k_norm = norm(getattr(attn, "k_norm", None))
@@ -157,6 +156,21 @@ class Layer:
         self.post_attn_norm = norm(hf_layer.post_attention_layernorm)
         self.pre_mlp_norm = norm(getattr(hf_layer, "pre_feedforward_layernorm", None))
         self.post_mlp_norm = norm(getattr(hf_layer, "post_feedforward_layernorm", None))
+
+
+def _linear(modules: list, names: list[str], quant: dict):
+    """One linear layer over ``modules``' outputs stacked (a fused QKV or gate-up): quantized where
+    ``quant`` holds every part's weight (``names``: their parameter names without ``.weight``), else a
+    float :class:`Linear` on the concatenated weights."""
+    biases = [m.bias for m in modules]
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    keys = [n + ".weight" for n in names]
+    if all(k in quant for k in keys):
+        from ..weights import quantized_linear
+
+        return quantized_linear([quant[k] for k in keys], bias)
+    weight = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
+    return Linear(weight, bias)
 
 
 def _eps(norm_module) -> float:
@@ -176,17 +190,20 @@ class NativeDecoder:
     the Hugging Face runner.
     """
 
-    def __init__(self, shape: DecoderShape, embed: torch.Tensor, embed_scale: torch.Tensor | None,
+    def __init__(self, shape: DecoderShape, embed, embed_scale: torch.Tensor | None,
                  layers: list[Layer], final_norm: RMSNorm, head: Linear, rotary: dict[str, Rotary],
-                 fused: bool = False):
+                 fused: bool = False, dtype: torch.dtype | None = None):
         self.shape, self.embed, self.embed_scale = shape, embed, embed_scale
         self.layers, self.final_norm, self.head, self.rotary = layers, final_norm, head, rotary
         self.fused = fused
         # the LM head's weight ``[V, D]`` where it is the embedding table (tied), for code that reads
-        # rows of it (a trimmed draft head); None where the head has weights of its own
+        # rows of it (a trimmed draft head); None where the head has weights of its own or is quantized
         self.tied_head: torch.Tensor | None = None
         self.act = ACT2FN[shape.act]
-        self.dtype, self.device = embed.dtype, embed.device
+        # ``embed``: the table ``[V, D]``, or a quantized one (:class:`~speculum.weights.QuantizedEmbedding`)
+        self.quantized = not isinstance(embed, torch.Tensor)
+        self.dtype = dtype or embed.dtype
+        self.device = torch.device("cpu") if self.quantized else embed.device
         self.layout = AttentionLayout(
             layers=shape.layers, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
             scale=shape.attn_scale, softcap=shape.attn_softcap, window=shape.sliding_window,
@@ -206,9 +223,13 @@ class NativeDecoder:
         if reason is not None:
             raise ValueError(f"the native runner does not support {reason}")
         gemma = cfg.model_type in GEMMA3
+        quant = getattr(model, "speculum_quant", None) or {}
+        base = model.model
+        dtype = next(t.dtype for t in model.parameters() if t.device.type != "meta") if quant else \
+            model.get_output_embeddings().weight.dtype
         if fused is None:
             w = model.get_output_embeddings().weight
-            fused = ((w.device.type == "cuda" or w.dtype != torch.float32)
+            fused = ((w.device.type == "cuda" or dtype != torch.float32)
                      and os.environ.get("SPECULUM_NATIVE_FUSED", "1") != "0")
         heads = cfg.num_attention_heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -229,13 +250,26 @@ class NativeDecoder:
             attn_softcap=getattr(cfg, "attn_logit_softcapping", None),
             final_softcap=getattr(cfg, "final_logit_softcapping", None),
         )
-        base = model.model
         embed = base.embed_tokens.weight.detach()
         scale = getattr(base.embed_tokens, "embed_scale", None)
-        embed_scale = None if scale is None else scale.to(embed.dtype)
-        layers = [Layer(hf_layer, shape, s, fused) for hf_layer, s in zip(base.layers, sliding)]
+        embed_scale = None if scale is None else scale.to(dtype)
+        layers = [Layer(hf_layer, shape, s, fused, quant, f"model.layers.{i}.")
+                  for i, (hf_layer, s) in enumerate(zip(base.layers, sliding))]
         final_norm = RMSNorm(base.norm.weight.detach(), _eps(base.norm), gemma, fused)
-        head = Linear(model.get_output_embeddings().weight.detach())
+        head_weight = model.get_output_embeddings().weight
+        tied = head_weight is base.embed_tokens.weight or (
+            head_weight.device.type != "meta" and head_weight.data_ptr() == base.embed_tokens.weight.data_ptr())
+        embed_key, head_key = "model.embed_tokens.weight", "model.embed_tokens.weight" if tied else "lm_head.weight"
+        if embed_key in quant:
+            from ..weights import QuantizedEmbedding
+
+            embed = QuantizedEmbedding(quant[embed_key])
+        if head_key in quant:
+            from ..weights import quantized_linear
+
+            head = quantized_linear([quant[head_key]])
+        else:
+            head = Linear(head_weight.detach())
         rotary = {}
         for kind in set(types):
             emb = base.rotary_emb
@@ -244,8 +278,8 @@ class NativeDecoder:
                 rotary[kind] = Rotary(emb.inv_freq, emb.attention_scaling)
             else:
                 rotary[kind] = Rotary(inv, getattr(emb, f"{kind}_attention_scaling"))
-        decoder = cls(shape, embed, embed_scale, layers, final_norm, head, rotary, fused)
-        if model.get_output_embeddings().weight.data_ptr() == base.embed_tokens.weight.data_ptr():
+        decoder = cls(shape, embed, embed_scale, layers, final_norm, head, rotary, fused, dtype)
+        if tied and isinstance(embed, torch.Tensor):
             decoder.tied_head = embed
         return decoder
 
@@ -336,7 +370,7 @@ class NativeDecoder:
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [n]`` -> hidden states ``[n, D]``."""
-        h = F.embedding(ids, self.embed)
+        h = self.embed(ids).to(self.dtype) if self.quantized else F.embedding(ids, self.embed)
         return h * self.embed_scale if self.embed_scale is not None else h
 
     def rope(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -84,7 +84,7 @@ def _engine_main(conn, config: EngineConfig) -> None:  # pragma: no cover - runs
     torch.set_num_threads(config.threads)
     try:
         from ..constrain import compile_constraint
-        from ..models import load
+        from ..loading import load
         from ..runners import release_if_native, use_runner
         from .app import ServerState
 

@@ -101,7 +101,7 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
     checkpoint, ``report.json``, ``loss.png``) and the head, ``<kind>.safetensors``."""
     import torch
 
-    from ..models import load
+    from ..loading import load
     from .distill import load_samples, self_distill
     from .eagle import EagleTrainer
     from .kangaroo import KangarooTrainer
