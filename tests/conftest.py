@@ -134,14 +134,29 @@ class CharTokenizer:
 def smollm2_f32():
     import speculum
 
-    return speculum.load("default", dtype="float32")
+    return speculum.load("default", dtype="float32", weights="float")
 
 
 @pytest.fixture(scope="session")
 def gemma3_f32():
     import speculum
 
-    return speculum.load("gemma3", dtype="float32")
+    return speculum.load("gemma3", dtype="float32", weights="float")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The default model as users get it: its GGUF weights kept quantized (float32 activations)."""
+    import speculum
+
+    return speculum.load("default", weights="gguf")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf():
+    import speculum
+
+    return speculum.load("gemma3", weights="gguf")
 
 
 @contextlib.contextmanager

@@ -216,3 +216,34 @@ def test_smollm2_streaming_runs_three_contexts(smollm2_f32, monkeypatch):
     ppl_last = _perplexity(model, out.tokens[-2 * context:-context], last)
     assert ppl_last < 2 * ppl_first, (ppl_first, ppl_last)
     assert len(set(last)) > 0.3 * len(last)
+
+
+# the methods on the default model's own quantized weights (what speculum.load gives by default):
+# every drafter family against plain greedy decoding of the same weights
+GGUF_METHODS = SPECULATIVE + LEARNED + ("swift", "quant_self", "lookahead", "kv_draft")
+
+
+def _check_gguf(model, tok, prompts, chat, names, new=48, draft=None):
+    runner = runner_for(model)
+    assert type(runner.decoder.layers[0].o).__name__ == "QuantizedLinear"
+    for ids in (encode_prompt(tok, p, chat) for p in prompts):
+        ref = build_method("ar", model, tok, runner=runner).run(ids, new).tokens
+        assert len(ref) > 0
+        for name in names:
+            method = build_method(name, model, tok, draft, tok, runner=runner, cost_model=FLAT_COST)
+            assert method.run(ids, new).tokens == ref, f"{name} differs from ar on {tok.decode(ids)[-40:]!r}"
+
+
+def test_smollm2_gguf_lossless(smollm2_gguf):
+    """Every drafter on SmolLM2's Q4_1/Q8_0 weights, kept quantized: chains, trees, learned heads,
+    self-drafts, a draft model (itself) and ``auto`` give ``ar``'s tokens."""
+    model, tok = smollm2_gguf
+    _check_gguf(model, tok, [PROMPTS[0], PROMPTS[4]], True, GGUF_METHODS + ("draft_model",), draft=model)
+
+
+def test_gemma3_gguf_lossless(gemma3_gguf):
+    """Gemma-3's Q4_K_M file (Q4_K, Q6_K, Q5_0 and Q8_0 tensors) past its sliding window."""
+    model, tok = gemma3_gguf
+    kinds = {qw.source for qw in model.speculum_quant.values()}
+    assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= {part for k in kinds for part in k.split("+")}
+    _check_gguf(model, tok, [PROMPTS[-1] * 3], False, ("ngram", "mix", "eagle", "auto"), new=32)

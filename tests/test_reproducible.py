@@ -149,7 +149,7 @@ def test_smollm2_bfloat16_invariant_logits():
     the same bits in one-token steps as inside chains, in the invariant runner."""
     import speculum
 
-    model, tok = speculum.load("default", dtype="bfloat16")
+    model, tok = speculum.load("default", dtype="bfloat16", weights="float")
     runner = NativeRunner(model).invariant()
     prompt = tok("The lighthouse keeper climbed the stairs and", add_special_tokens=False).input_ids
     tokens = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[]).generate(prompt, 48).tokens

@@ -342,7 +342,7 @@ def bf16_server():
     every step padded where this machine's kernels have no row floors)."""
     import speculum
 
-    model, tok = speculum.load("default", dtype="bfloat16")
+    model, tok = speculum.load("default", dtype="bfloat16", weights="float")
     floors = measure_floors(runner_for(model).decoder)  # what ServerState measures too
     state = ServerState(model, tok, "smollm2", method="auto",
                         deterministic=None if floors is not None and floors.cheap else True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from .constrain import ConstraintSpec
 from .engine import Engine, GenerationResult
 from .errors import SpeculumError
-from .methods import METHODS, build_method
 from .loading import load
+from .methods import METHODS, build_method
 from .prompts import encode_prompt
 from .sampling import SamplingParams
 from .tree import DraftTree

@@ -15,10 +15,13 @@ import sys
 import time
 
 from .errors import SpeculumError
-from .methods import ENGINE_METHODS, HF_METHODS, METHODS
+from .methods import ENGINE_METHODS, METHODS
 
-DEFAULT_BENCH_METHODS = "hf,hf_pld,ar,ngram,suffix,auto"
+DEFAULT_BENCH_METHODS = "hf,hf_pld,ar,ngram,suffix,auto"  # float weights: transformers' generate as the reference
 DEFAULT_STRUCTURED_METHODS = "hf,ar,ngram,auto"
+# quantized weights: llama.cpp on the same GGUF as the reference, where llama-cpp-python is installed
+DEFAULT_QUANT_BENCH_METHODS = "ar,ngram,suffix,auto"
+DEFAULT_QUANT_STRUCTURED_METHODS = "ar,ngram,auto"
 
 
 def _add_runner_arg(p: argparse.ArgumentParser) -> None:
@@ -29,8 +32,14 @@ def _add_runner_arg(p: argparse.ArgumentParser) -> None:
                         "default). The hf* baselines always run transformers' generate.")
 
 
-DTYPE_HELP = ("auto (default: bfloat16 on a GPU or on a CPU with bfloat16 instructions, AVX-512 BF16 or AMX; "
-              "float32 on other CPUs, where bfloat16 is emulated and slower), bfloat16, float32 or float16")
+DTYPE_HELP = ("the activations' dtype (and the weights' with --weights float): auto (default: float32 with "
+              "quantized weights; else bfloat16 on a GPU or on a CPU with bfloat16 instructions, AVX-512 BF16 or "
+              "AMX, float32 on other CPUs, where bfloat16 is emulated and slower), bfloat16, float32 or float16")
+WEIGHTS_HELP = ("which weights the model runs: 'gguf' (a GGUF file's own quantization, on speculum's quantized "
+                "kernels: the bytes llama.cpp reads), 'float' (dequantized to --dtype; what transformers and "
+                "the hf methods run), 'int8' or 'int4' (a float model quantized at load time) or 'auto' "
+                "(default: gguf for a GGUF file on a CPU, else float). Quantized weights are another model: "
+                "speculative output equals that model's greedy output, not the float model's")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -38,6 +47,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="'default' (SmolLM2-135M-Instruct, packaged), 'gemma3' (Gemma-3-270M base, packaged), "
                         "a .gguf file, a local Hugging Face directory or a hub id (default: %(default)s)")
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--weights", default="auto", choices=["auto", "gguf", "float", "int8", "int4"],
+                   help=WEIGHTS_HELP)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--draft-model", default=None,
                    help="draft model for the draft_model and hf_assisted methods (same tokenizer as --model)")
@@ -132,8 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", "--max-tokens", type=int, default=None,
                    help="(default: 128; 64 for --workload serving)")
     b.add_argument("--methods", default=None,
-                   help=f"comma-separated subset of {', '.join(METHODS)} (default: {DEFAULT_BENCH_METHODS}; "
-                        f"{DEFAULT_STRUCTURED_METHODS} for --workload structured)")
+                   help=f"comma-separated subset of {', '.join(METHODS)} (default, quantized weights: "
+                        f"{DEFAULT_QUANT_BENCH_METHODS}, plus llama_cpp,llama_cpp_lookup where llama-cpp-python "
+                        f"is installed; with --weights float: {DEFAULT_BENCH_METHODS}; "
+                        f"{DEFAULT_QUANT_STRUCTURED_METHODS} or {DEFAULT_STRUCTURED_METHODS} for --workload "
+                        "structured)")
     b.add_argument("--out", default="bench-out", help="output directory (default: %(default)s)")
     b.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     b.add_argument("--workload", choices=["specbench", "repeated", "structured", "serving"], default="specbench",
@@ -414,7 +428,7 @@ def _load(args, methods: list[str], prompt: str | None = None):
     from .methods import load_checked
 
     return load_checked(args.model, methods, args.draft_model, args.dtype, args.device, args.runner, prompt,
-                        args.chat)
+                        args.chat, weights=args.weights)
 
 
 def cmd_generate(args) -> int:
@@ -467,6 +481,23 @@ def _settings(args) -> dict:
     return {k: v for k, v in vars(args).items() if k not in ("func", "command")}
 
 
+def _default_bench_methods(args) -> str:
+    """The methods ``bench`` compares when none are named: with float weights transformers' generate
+    is the reference; with quantized ones (which it cannot run) llama.cpp greedy and prompt lookup on
+    the same GGUF file, where llama-cpp-python is installed (``make llama``)."""
+    import importlib.util
+
+    from .loading import resolve_weights
+
+    structured = args.workload == "structured"
+    if resolve_weights(args.model, args.weights, args.device) == "float":
+        return DEFAULT_STRUCTURED_METHODS if structured else DEFAULT_BENCH_METHODS
+    methods = DEFAULT_QUANT_STRUCTURED_METHODS if structured else DEFAULT_QUANT_BENCH_METHODS
+    if not structured and importlib.util.find_spec("llama_cpp") is not None:
+        methods += ",llama_cpp,llama_cpp_lookup"
+    return methods
+
+
 def cmd_bench(args) -> int:
     from .bench.data import demo_prompts_path, load_prompts, repeated_prompts_path, repeated_workload
     from .bench.harness import bench_meta, run_benchmark, write_outputs
@@ -478,12 +509,12 @@ def cmd_bench(args) -> int:
     if args.max_new_tokens is None:
         args.max_new_tokens = 128
     if args.methods is None:
-        args.methods = DEFAULT_STRUCTURED_METHODS if args.workload == "structured" else DEFAULT_BENCH_METHODS
+        args.methods = _default_bench_methods(args)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise SpeculumError(f"unknown method(s) {', '.join(unknown) or '(none given)'}; "
-                            f"choose from {', '.join(ENGINE_METHODS + HF_METHODS)}")
+                            f"choose from {', '.join(METHODS)}")
     if len(set(methods)) != len(methods):
         raise SpeculumError("--methods lists a method twice")
     if args.max_new_tokens < 1:
@@ -584,7 +615,8 @@ def _bench_serving(args) -> int:
 
 def cmd_calibrate(args) -> int:
     from .calibrate import CONTEXTS, load_or_measure, write_report
-    from .models import dtype_name, load, parse_dtype
+    from .loading import load
+    from .models import dtype_name, parse_dtype
     from .runners import RUNNER_KINDS, runner_for
 
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
@@ -622,7 +654,8 @@ def cmd_longctx(args) -> int:
 
     from .bench.longctx import ONEDNN_CACHE, Suite, markdown, run_longctx, write_outputs
     from .drafters.kv_draft import kv_draft_options
-    from .models import dtype_name, load
+    from .loading import load
+    from .models import dtype_name
     from .runners import release_if_native
 
     suite = Suite.parse(args.lengths, args.tasks, args.policies, args.budget, args.samples, args.values)

@@ -12,6 +12,10 @@ the benchmark treat them alike.
   ``hf_pld``: ``model.generate(prompt_lookup_num_tokens=10)``; ``hf_assisted``:
   ``model.generate(assistant_model=draft)``, with transformers' universal assisted decoding when the
   draft model's tokenizer differs from the target's.
+- ``llama_cpp``: llama.cpp (llama-cpp-python, ``make llama``) decoding greedily on the GGUF file the model
+  was loaded from; ``llama_cpp_lookup``: the same with its prompt lookup decoding
+  (``LlamaPromptLookupDecoding(num_pred_tokens=2)``, llama-cpp-python's advice for CPUs; option
+  ``num_pred_tokens``).
 """
 
 from __future__ import annotations
@@ -30,14 +34,15 @@ from .engine import Engine, GenerationResult, default_eos_ids
 from .errors import SpeculumError
 from .runners import Runner, runner_for, weights_released
 from .sampling import SamplingParams
-from .stops import cut_at_stop
+from .stops import Stops, cut_at_stop
 from .tree_sizing import CostModel, TreeSizer
 
 ENGINE_METHODS = tuple(DRAFTERS)
 # drafters whose trees carry scores: the engine sizes them to the hardware's calibrated cost curve
 SIZED_METHODS = tuple(name for name, entry in DRAFTERS.items() if entry.scored)
 HF_METHODS = ("hf", "hf_pld", "hf_assisted")
-METHODS = ENGINE_METHODS + HF_METHODS
+LLAMA_METHODS = ("llama_cpp", "llama_cpp_lookup")
+METHODS = ENGINE_METHODS + HF_METHODS + LLAMA_METHODS
 DRAFT_MODEL_METHODS = tuple(name for name, entry in DRAFTERS.items() if entry.needs_draft_model)
 NEEDS_DRAFT = DRAFT_MODEL_METHODS + ("hf_assisted",)
 
@@ -143,12 +148,120 @@ class HFMethod:
         return GenerationResult(len(prompt_ids), new, text, reason, elapsed, prefill_s, self._calls)
 
 
+def _llama_cpp():
+    """The ``llama_cpp`` module, or a :class:`SpeculumError` that says how to install it."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SpeculumError("methods llama_cpp and llama_cpp_lookup need llama-cpp-python: run `make llama` "
+                            "(pip install -e '.[llama]'; it builds llama.cpp from source, minutes)") from None
+    return llama_cpp
+
+
+def gguf_path(model_name: str, method: str) -> str:
+    """The GGUF file that ``model_name`` resolves to, or a :class:`SpeculumError` for ``method``."""
+    from .models import resolve
+
+    kind, where = resolve(model_name)
+    if kind != "gguf":
+        raise SpeculumError(f"method {method!r} runs llama.cpp, which reads GGUF files only; model "
+                            f"{model_name!r} is a transformers model ({kind}): pass a .gguf file or a packaged alias")
+    return where
+
+
+class LlamaCppMethod:
+    """llama.cpp (llama-cpp-python) greedy decoding of a GGUF file, as a reference.
+
+    It takes the prompt's token ids as they are and stops as speculum's engine does (the same EOS ids,
+    kept in the output; stop strings; the token budget), so its tokens compare with ``ar``'s. With
+    ``lookup`` tokens, llama-cpp-python's prompt lookup decoding drafts each step
+    (``LlamaPromptLookupDecoding``; it makes the model keep every position's logits). Each run starts
+    from an empty KV cache, so its time includes the whole prefill. The context holds the longest
+    request so far: a longer one rebuilds it first, outside the timed part. ``forwards`` counts llama.cpp's
+    evaluations (the prefill included), as ``hf`` counts transformers' forwards.
+    """
+
+    def __init__(self, name: str, path: str, tokenizer, eos_ids: Sequence[int], max_length: int,
+                 lookup: int | None = None):
+        _llama_cpp()
+        self.name, self.path, self.tokenizer, self.lookup = name, path, tokenizer, lookup
+        self.eos_ids, self.max_length = set(eos_ids), max_length
+        self._llm, self._n_ctx = None, 0
+        self._evals, self._first_done = 0, None
+
+    def _context(self, n: int):
+        """A ``Llama`` whose context holds ``n`` positions (a power of two, at most the model's context)."""
+        if self._llm is not None and n <= self._n_ctx:
+            return self._llm
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        if self._llm is not None:
+            self._llm.close()
+        self._n_ctx = min(max(512, 1 << (n - 1).bit_length()), self.max_length)
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=self.lookup) if self.lookup else None
+        threads = torch.get_num_threads()
+        llm = Llama(model_path=self.path, n_ctx=self._n_ctx, n_batch=self._n_ctx, n_threads=threads,
+                    n_threads_batch=threads, logits_all=False, draft_model=draft, verbose=False)
+        evaluate = llm.eval
+
+        def counted(tokens):  # generate() calls self.eval once per forward
+            evaluate(tokens)
+            self._evals += 1
+            if self._first_done is None:
+                self._first_done = time.perf_counter()
+
+        llm.eval = counted
+        self._llm = llm
+        return llm
+
+    def compile(self, spec, close_reserve: int = 0):
+        raise SpeculumError(f"method {self.name!r} takes no grammar: use a speculum method (ar, auto, ...)")
+
+    def run(self, prompt_ids, max_new_tokens=128, sampling=None, stop=(), seed=None, on_tokens=None,
+            grammar=None):
+        from .engine import check_prompt_fits
+
+        sampling = sampling or SamplingParams()
+        if not sampling.greedy or sampling.repetition_penalty != 1.0 or sampling.frequency_penalty \
+                or sampling.presence_penalty:
+            raise SpeculumError(f"method {self.name!r} is greedy only: leave the temperature at 0 and the "
+                                "penalties off")
+        if grammar is not None:
+            self.compile(grammar)
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise SpeculumError("the prompt is empty")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise SpeculumError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+        check_prompt_fits(len(prompt), self.max_length)
+        llm = self._context(len(prompt) + max_new_tokens)
+        stops = Stops(self.tokenizer, self.eos_ids, stop, max_new_tokens, self._n_ctx)
+        generated, tokens, reason = [], list(prompt), None
+        llm.reset()  # n_tokens = 0: generate() keeps no prefix of the previous prompt
+        self._evals, self._first_done = 0, None
+        t0 = time.perf_counter()
+        for token in llm.generate(prompt, temp=0.0, repeat_penalty=1.0):
+            new, reason = stops.extend(generated, tokens, [int(token)])
+            if new and on_tokens is not None:
+                on_tokens(new)
+            if reason is not None:
+                break
+        elapsed = time.perf_counter() - t0
+        reason = reason or "length"
+        prefill_s = self._first_done - t0 if self._first_done is not None else 0.0
+        return GenerationResult(len(prompt), generated, stops.final_text(generated, reason), reason, elapsed,
+                                prefill_s, self._evals)
+
+
 def check_method(name: str, has_draft_model: bool) -> None:
     """Raise :class:`SpeculumError` for an unknown method or one that lacks its draft model (no weights needed)."""
     if name not in METHODS:
         raise SpeculumError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
     if name in NEEDS_DRAFT and not has_draft_model:
         raise SpeculumError(f"method {name!r} needs a draft model (--draft-model)")
+    if name in LLAMA_METHODS:
+        _llama_cpp()
 
 
 def check_draft(name: str, model, tokenizer, draft_model, draft_tokenizer) -> None:
@@ -187,9 +300,27 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
     if name in NEEDS_DRAFT:
         check_draft(name, model, tokenizer, draft_model, draft_tokenizer)
     kv_policy = options.pop("kv_policy", None)
+    if name in LLAMA_METHODS:
+        from .models import context_length
+
+        if kv_policy is not None:
+            raise SpeculumError(f"method {name!r} runs llama.cpp, which takes no speculum KV policy")
+        loaded_as = getattr(model, "speculum_name", None) or model.config.name_or_path
+        if not loaded_as:
+            raise SpeculumError(f"method {name!r} runs llama.cpp on the GGUF file the model was loaded from: "
+                                "load it by name (speculum.load) from an alias or a .gguf file")
+        path = gguf_path(loaded_as, name)
+        # llama.cpp runs on the CPU here (no layers offloaded), where llama-cpp-python advises 2 (10 on GPUs)
+        lookup = options.get("num_pred_tokens", 2) if name == "llama_cpp_lookup" else None
+        return LlamaCppMethod(name, path, tokenizer, default_eos_ids(model, tokenizer),
+                              context_length(model.config), lookup)
     if name in HF_METHODS:
         if kv_policy is not None:
             raise SpeculumError(f"method {name!r} runs transformers' generate, which takes no speculum KV policy")
+        if getattr(model, "speculum_quant", None):
+            raise SpeculumError(f"method {name!r} runs transformers' generate, which cannot run quantized weights "
+                                f"(--weights {getattr(model, 'speculum_weights', 'gguf')}); load the model with "
+                                "--weights float to compare with it")
         if weights_released(model):
             raise SpeculumError(f"method {name!r} runs transformers' generate, but this model's layer weights "
                                 "were released to the native runner; load the model again")
@@ -227,7 +358,7 @@ def _calibrated(runner):
 
 def load_checked(model_name: str, methods: Sequence[str], draft_name: str | None = None, dtype=None,
                  device: str | None = None, runner: str = "auto", prompt: str | None = None,
-                 chat: bool | None = None):
+                 chat: bool | None = None, weights: str | None = None):
     """``(model, tokenizer, draft, draft_tokenizer)`` for running ``methods``, after every check that
     needs no weights.
 
@@ -236,14 +367,22 @@ def load_checked(model_name: str, methods: Sequence[str], draft_name: str | None
     than the context) are caught before it, so their one-line error is all the user sees.
     """
     from .engine import check_prompt_fits
-    from .models import context_length, load, load_tokenizer_and_config, parse_dtype
+    from .loading import load, resolve_weights
+    from .models import context_length, load_tokenizer_and_config, parse_dtype
     from .prompts import encode_prompt
     from .runners import use_runner
 
     parse_dtype(dtype)
     for name in methods:
         check_method(name, bool(draft_name))
+        if name in LLAMA_METHODS:
+            gguf_path(model_name, name)
     tok, config = load_tokenizer_and_config(model_name)
+    weights = resolve_weights(model_name, weights, device)
+    hf = [m for m in methods if m in HF_METHODS]
+    if weights != "float" and hf:
+        raise SpeculumError(f"{', '.join(hf)} run transformers' generate, which cannot run quantized weights; "
+                            f"add --weights float (the model as transformers loads it), or leave them out")
     if prompt is not None:
         check_prompt_fits(len(encode_prompt(tok, prompt, chat)), context_length(config))
     draft_tok = None
@@ -251,10 +390,11 @@ def load_checked(model_name: str, methods: Sequence[str], draft_name: str | None
         draft_tok, _ = load_tokenizer_and_config(draft_name)
         if any(m in DRAFT_MODEL_METHODS for m in methods):
             check_same_tokenizer(tok, draft_tok)
-    model, tok = load(model_name, dtype, device, tokenizer=tok)
+    model, tok = load(model_name, dtype, device, tokenizer=tok, weights=weights)
     use_runner(model, runner)
     draft = None
     if draft_name:
-        draft, draft_tok = load(draft_name, dtype, device, tokenizer=draft_tok)
+        draft, draft_tok = load(draft_name, dtype, device, tokenizer=draft_tok, weights=weights if
+                                weights == "float" else None)
         use_runner(draft, runner)
     return model, tok, draft, draft_tok

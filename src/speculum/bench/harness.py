@@ -10,7 +10,8 @@ Statistics per method, overall and per task:
 - ``tok_s``: mean over prompts of new tokens / wall time (prefill included);
 - ``speedup_vs_hf`` / ``speedup_vs_ar``: that mean divided by the reference method's mean;
 - ``mean_accepted``: total new tokens / total target forward passes that produced tokens;
-- ``identical_frac``: fraction of prompts whose output tokens equal ``ar``'s.
+- ``identical_frac``: fraction of prompts whose output tokens equal ``ar``'s (per prompt:
+  ``identical_to_ar``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..models import dtype_name
 from ..prompts import encode_prompt
 from ..runners import runner_for
 from ..sampling import SamplingParams
+from ..weights import model_device
 from .data import TASKS, Prompt
 
 WARMUP_PROMPT = "List three colours of the rainbow."
@@ -164,11 +166,14 @@ def write_outputs(out_dir: str | Path, results: dict, records: list[Record], met
     out.mkdir(parents=True, exist_ok=True)
     full = {**meta, **results}
     (out / "results.json").write_text(json.dumps(full, indent=2))
+    ar_tokens = {r.question_id: r.tokens for r in records if r.method == "ar"}
     with (out / "per_prompt.jsonl").open("w") as f:
         for r in records:
+            same = r.tokens == ar_tokens[r.question_id] if r.question_id in ar_tokens else None
             f.write(json.dumps({"method": r.method, "question_id": r.question_id, "task": r.task,
                                 "new_tokens": r.new_tokens, "forwards": r.forwards,
-                                "time_s": round(r.time_s, 4), "tok_s": round(r.tok_s, 3)}) + "\n")
+                                "time_s": round(r.time_s, 4), "tok_s": round(r.tok_s, 3),
+                                "identical_to_ar": same}) + "\n")
     (out / "results.md").write_text(markdown_table(full))
     speedup_plot(full, out / "speedup.png")
     return out
@@ -180,7 +185,8 @@ def bench_meta(model, args: dict) -> dict:
     return {
         "model": getattr(model, "speculum_name", model.config.name_or_path),
         "dtype": dtype_name(next(model.parameters()).dtype),
-        "machine": machine_info(next(model.parameters()).device),
+        "weights": getattr(model, "speculum_weights", "float"),
+        "machine": machine_info(model_device(model)),
         "versions": versions(),
         "settings": args,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),

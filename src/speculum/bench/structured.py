@@ -327,7 +327,8 @@ def write_structured(out_dir: str | Path, summary: dict, records: list[Structure
     return out
 
 
-UNSUPPORTED_METHODS = ("hf_pld", "hf_assisted", "draft_model", "draft_model_tree")  # no grammar support, or a second model
+# no grammar support, or a second model
+UNSUPPORTED_METHODS = ("hf_pld", "hf_assisted", "draft_model", "draft_model_tree", "llama_cpp", "llama_cpp_lookup")
 
 
 def check_settings(schemas: str | None, n_schemas: int, methods: list[str], temperature: float,

@@ -30,6 +30,7 @@ import torch
 
 from ..heads import HeadCache, head_for_target
 from ..tree import DraftTree
+from ..weights import model_device
 from .base import Drafter
 from .dynamic_tree import DynamicTree
 from .text_lookup import TextLookup
@@ -44,9 +45,8 @@ class EagleDrafter(TextLookup, Drafter):
                  depth: int = 6, max_nodes: int = 48, min_path_prob: float = 0.02, full_vocab: bool = False,
                  lookup: int = 8):
         self.head, self.tables, self.path = head_for_target(target, "eagle", draft_head, full_vocab)
-        weight = target.get_output_embeddings().weight
-        self.dtype, self.device = weight.dtype, weight.device
-        self.vocab_size = weight.shape[0]
+        self.dtype, self.device = self.tables.embed.dtype, model_device(target)
+        self.vocab_size = target.get_output_embeddings().weight.shape[0]
         cfg = self.head.config
         top = target.config.get_text_config().num_hidden_layers
         self.hidden_layers = cfg.fuse_layers or (top if cfg.feature_layer < 0 else cfg.feature_layer,)

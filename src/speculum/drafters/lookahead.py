@@ -49,6 +49,7 @@ import torch
 from ..errors import SpeculumError
 from ..tree import DraftTree, PromptRows, TreeBuilder
 from ..verify import Acceptance
+from ..weights import embedder, model_device
 from .base import Drafter
 from .hit_rates import HitRates, record_tree
 from .rate_bandit import ArmRates, StepClock
@@ -67,7 +68,8 @@ class LookaheadDrafter(Drafter):
             raise SpeculumError(f"lookahead needs window >= 2, ngram >= 3 and guesses >= 1; got window={window}, "
                                 f"ngram={ngram}, guesses={guesses}")
         # draft_head: the learned drafters' head files, passed to every method that reads the target; unused here
-        self.embedding = target.get_input_embeddings()  # Gemma's scale included
+        self.embedding = embedder(target)  # Gemma's scale included
+        self.device = model_device(target)
         self.window, self.ngram, self.guesses = window, ngram, guesses
         self.from_text, self.max_nodes, self.seed = from_text, max_nodes, seed
         # P(depth-d node of an n-gram from `origin` hits | its parent did), shared across requests
@@ -143,7 +145,7 @@ class LookaheadDrafter(Drafter):
         ids = [t for level in levels for t in level]
         offsets = list(range(1, w)) + [l + j for l in range(1, len(levels)) for j in range(w)]
         with torch.inference_mode():
-            embeds = self.embedding(torch.tensor(ids, device=self.embedding.weight.device))
+            embeds = self.embedding(torch.tensor(ids, device=self.device))
         e = len(ids)
         return PromptRows([-1] * e, offsets, embeds, self._mask[:e, :e])
 

@@ -18,6 +18,7 @@ import torch
 
 from ..heads import head_for_target
 from ..tree import DraftTree
+from ..weights import model_device
 from .base import Drafter
 from .dynamic_tree import product_tree
 
@@ -31,8 +32,8 @@ class HeadDrafter(Drafter):
     def __init__(self, target: torch.nn.Module, draft_head: str | Path | None = None, top_k: int = 8,
                  max_nodes: int = 48):
         self.head, self.tables, self.path = head_for_target(target, self.kind, draft_head)
-        weight = target.get_output_embeddings().weight
-        self.vocab_size, self.device = weight.shape[0], weight.device
+        self.vocab_size = target.get_output_embeddings().weight.shape[0]
+        self.device = model_device(target)
         self.hidden_layers = (target.config.get_text_config().num_hidden_layers,)
         self.depth = self.head.config.num_heads
         self.top_k, self.max_nodes = top_k, max_nodes

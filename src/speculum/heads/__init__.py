@@ -132,12 +132,14 @@ class TargetTables:
     def of(cls, model, draft_vocab: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> TargetTables:
         """The tables of a transformers causal LM ``model`` (its embedding and LM head, which the native
         runner leaves in place), trimmed to ``draft_vocab`` when given."""
+        from ..weights import float_weight
+
         embed_module = model.get_input_embeddings()
-        embed = embed_module.weight.detach()
+        embed = float_weight(model, "model.embed_tokens.weight")  # dequantized where the model is quantized
         dtype = dtype or embed.dtype
         scale = getattr(embed_module, "embed_scale", None)
         scale = float(scale) if scale is not None else None
-        head = model.get_output_embeddings().weight.detach()
+        head = float_weight(model, "lm_head.weight")
         if draft_vocab is not None:
             draft_vocab = draft_vocab.to(head.device)  # indexed by drafted ids on the model's device
             head = head.index_select(0, draft_vocab)
@@ -272,9 +274,11 @@ def head_for_target(target: torch.nn.Module, kind: str, files: HeadFiles,
         loaded = load_head(path, target)
         if loaded.kind != kind:
             raise SpeculumError(f"{path} holds a {loaded.kind} head, not a {kind} head")
-        weight = target.get_output_embeddings().weight
-        head = loaded.module.to(weight.dtype).to(weight.device).freeze()
-        per_target[key] = head, TargetTables.of(target, loaded.draft_vocab, weight.dtype)
+        from ..weights import model_device
+
+        dtype = next(p.dtype for p in target.parameters() if p.device.type != "meta")
+        head = loaded.module.to(dtype).to(model_device(target)).freeze()
+        per_target[key] = head, TargetTables.of(target, loaded.draft_vocab, dtype)
     head, tables = per_target[key]
     if full_vocab and tables.vocab is not None:
         if (key, "full") not in per_target:

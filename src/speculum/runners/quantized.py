@@ -35,6 +35,12 @@ def linear_weight(linear: Linear) -> torch.Tensor:
     where the plain weight was dropped: the identity times ``W^T`` is exact; a layer with a bias
     adds it inside the kernel, so subtracting it back is exact only to the weight's rounding (far
     below what quantizing then loses)."""
+    from ..weights import QuantWeight, StackedLinear
+
+    if isinstance(linear, StackedLinear):  # quantized parts: their dequantized values, stacked
+        return torch.cat([linear_weight(part) for part in linear.parts])
+    if isinstance(linear.weight, QuantWeight):  # already quantized (a GGUF model): its dequantized values
+        return linear.weight.dequantize()
     if linear.weight is not None:
         return linear.weight.detach()
     eye = torch.eye(linear.in_features, dtype=linear.dtype)

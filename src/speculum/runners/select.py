@@ -54,6 +54,10 @@ def runner_for(model: torch.nn.Module, kind: str | None = None):
         kind = "hf" if unsupported_reason(model.config) else "native"
     elif kind == "native" and (reason := unsupported_reason(model.config)):
         raise SpeculumError(f"the native runner does not support {reason}; use --runner hf")
+    if kind == "hf" and getattr(model, "speculum_quant", None):
+        raise SpeculumError("this model's weights are quantized (--weights "
+                            f"{getattr(model, 'speculum_weights', 'gguf')}), which only the native runner runs; "
+                            "load it with --weights float to run it with transformers (the hf methods, --runner hf)")
     if kind == "hf" and weights_released(model):
         raise SpeculumError("this model's layer weights were released to its native runner "
                             "(release_model_weights); load the model again to run it with transformers")

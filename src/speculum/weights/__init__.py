@@ -60,6 +60,27 @@ def quantized_of(model) -> dict[str, QuantWeight]:
     return getattr(model, "speculum_quant", None) or {}
 
 
+def model_device(model) -> torch.device:
+    """Where ``model`` runs: its parameters' device (a quantized model's meta tensors aside: the CPU)."""
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def embedder(model):
+    """``ids [...]`` -> input embeddings ``[..., D]`` (Gemma's scale included) of ``model``, whose table
+    may be quantized."""
+    module = model.get_input_embeddings()
+    quant = quantized_of(model)
+    if "model.embed_tokens.weight" not in quant:
+        return module
+    table = QuantizedEmbedding(quant["model.embed_tokens.weight"])
+    scale = getattr(module, "embed_scale", None)
+    dtype = next((p.dtype for p in model.parameters() if p.device.type != "meta"), torch.float32)
+    return lambda ids: table(ids).to(dtype) * (scale.to(dtype) if scale is not None else 1)
+
+
 def float_weight(model, name: str) -> torch.Tensor:
     """A parameter of ``model`` as a float tensor: itself, or its quantized matrix dequantized
     (float32), for code that needs the values (a learned head's tables)."""
@@ -72,5 +93,5 @@ def float_weight(model, name: str) -> torch.Tensor:
     return tensor.detach()
 
 
-__all__ = ["WEIGHTS", "QuantWeight", "QuantizedEmbedding", "QuantizedLinear", "StackedLinear", "float_weight",
-           "quantized_linear", "quantized_of"]
+__all__ = ["WEIGHTS", "QuantWeight", "QuantizedEmbedding", "QuantizedLinear", "StackedLinear", "embedder",
+           "float_weight", "model_device", "quantized_linear", "quantized_of"]

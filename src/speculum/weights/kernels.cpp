@@ -10,14 +10,14 @@
 //   s8: signed 8-bit codes, w = scale * q per block of `bs` (32 or 16) elements (Q8_0, Q5_0, Q6_K).
 // Scales and offsets are float16 (`half`) where the source format's are, else float32.
 //
-// Activations are quantized as llama.cpp does: per block of 32, d = max|x| / 127, q = round(x / d).
-// A block's product is then an exact integer dot product scaled by d_w * d_x, and the blocks' terms are
-// summed in float32. Each row of the output is computed by the same instructions in the same order
-// whatever the number of rows in the call, so a row's result does not depend on the others.
-//
-// Lanes: every integer dot product below (AVX-512 VNNI vpdpbusd, or vpmaddubsw + vpmaddwd) leaves the
-// sum of 4 consecutive products in each 32-bit lane, so a lane's scale is its block's; the scales are
-// broadcast per lane and the lanes are reduced once, at the end of the row.
+// Activations stay float32: each weight block is decoded to floats in registers (w = scale * q + offset,
+// one fused multiply-add) and multiplied into every activation row of the tile, so a step over several
+// rows reads each weight block once per tile of rows. Unlike llama.cpp, the activations are not
+// rounded to 8 bits: a product equals the product with the dequantized weights up to float32 rounding,
+// and a tiny change in an activation (another row count's attention rounding) changes the output as
+// little as it would in float, where 8-bit codes could jump by a whole step. Each row of the output is
+// computed by the same instructions in the same order whatever the number of rows in the call, so a row's
+// result does not depend on the others.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,124 +29,59 @@
 
 namespace {
 
-constexpr int64_t QB = 32;    // activation block
-
-struct QuantRows {
-  std::vector<int8_t> q;     // [n, K] codes
-  std::vector<float> lane;   // [n, K / 4] each lane's block scale d_x
-  std::vector<float> bsum;   // [n, K / 4] d_x * sum(q) of each lane's block, over 8 (the lanes per block):
-                             // the offsets' term of u4 weights, summed with the lanes
-};
-
-void quantize_rows(const float* x, int64_t n, int64_t K, QuantRows& out) {
-  out.q.resize(n * K);
-  out.lane.resize(n * K / 4);
-  out.bsum.resize(n * K / 4);
-  for (int64_t r = 0; r < n; ++r) {
-    for (int64_t b = 0; b < K / QB; ++b) {
-      const float* xb = x + r * K + b * QB;
-      float amax = 0.f;
-      for (int i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float d = amax / 127.f;
-      const float id = d > 0.f ? 1.f / d : 0.f;
-      int8_t* qb = out.q.data() + r * K + b * QB;
-      int sum = 0;
-      for (int i = 0; i < QB; ++i) {
-        const int v = static_cast<int>(std::nearbyint(xb[i] * id));
-        qb[i] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      const float share = d * static_cast<float>(sum) / 8.f;  // exact: a power of two
-      for (int j = 0; j < QB / 4; ++j) {
-        out.lane[r * (K / 4) + b * (QB / 4) + j] = d;
-        out.bsum[r * (K / 4) + b * (QB / 4) + j] = share;
-      }
-    }
-  }
-}
+constexpr int64_t QB = 32;  // block of the u4 layout's offsets
 
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
-// `count` (1, 2 or 4) scales from p as the first lanes of a float vector (the rest zero)
-inline __m128 load_scales(const float* p, int count) {
-  if (count == 4) return _mm_loadu_ps(p);
-  if (count == 2) return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
-  return _mm_load_ss(p);
-}
-inline __m128 load_scales(const uint16_t* p, int count) {
-  if (count == 4) return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  if (count == 2) {
-    int32_t two;
-    std::memcpy(&two, p, 4);
-    return _mm_cvtph_ps(_mm_cvtsi32_si128(two));
-  }
-  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int32_t>(p[0])));
-}
-
-// A tile is WR weight rows (o0 ..) against up to NT activation rows (r0 .., nt of them): WR * nt independent
-// accumulators, one per output, each summed over the chunks in order, then reduced once.
+// A tile is WR weight rows (o0 ..) against M activation rows (r0 ..): WR * M independent accumulators,
+// one per output, each summed over the chunks in order, then reduced once.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 
 constexpr int WR = 4;
 #define NT 4
 
-inline __m512i dot4(__m512i w_u8, __m512i x_s8) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w_u8, x_s8);
-#else
-  return _mm512_madd_epi16(_mm512_maddubs_epi16(w_u8, x_s8), _mm512_set1_epi16(1));
-#endif
+// 16 codes from p as floats: u4 takes the low (hi = false) or high nibbles of 16 bytes, s8 16 signed bytes
+template <bool U4>
+inline __m512 codes16(const uint8_t* p, bool hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (U4) {
+    const __m128i q = hi ? _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)) : _mm_and_si128(b, _mm_set1_epi8(0x0F));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q));
+  } else {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }
 }
 
-// A chunk is 64 elements (16 lanes); a trailing 32 runs with the upper half zero.
+// A chunk is one block of 32 elements: two vectors of 16.
 template <bool U4, typename S, int W, int M>
-void tile_dot(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wo, int64_t bs, const QuantRows& X,
+void tile_dot(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wo, int64_t bs, const float* x,
               int64_t K, int64_t r0, float* y, int64_t R, int64_t o0) {
   __m512 acc[W][M];
   for (int i = 0; i < W; ++i)
     for (int t = 0; t < M; ++t) acc[i][t] = _mm512_setzero_ps();
-  const int per_chunk = static_cast<int>(64 / bs);  // weight scales per chunk: 2 or 4
-  const __m512i idx = bs == 32 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
-                               : _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  const __m512i nib = _mm512_set1_epi8(0x0F);
   const int64_t scales_per_row = K / bs, blocks_per_row = K / QB;
-  for (int64_t c = 0; c * 64 < K; ++c) {
-    const bool half_chunk = c * 64 + 64 > K;  // only 32 elements left
-    const __mmask64 bytes = half_chunk ? 0xFFFFFFFFull : ~0ull;
-    const __mmask16 lanes = half_chunk ? 0x00FF : 0xFFFF;
-    const int nscale = half_chunk ? per_chunk / 2 : per_chunk;
+  for (int64_t c = 0; c < K / 32; ++c) {
     for (int i = 0; i < W; ++i) {
-      const uint8_t* wr = w + (o0 + i) * row_bytes;
-      __m512i wv;
-      __mmask64 neg = 0;
-      __m512 ol = _mm512_setzero_ps();
+      const int64_t o = o0 + i;
+      __m512 w0, w1;
       if constexpr (U4) {
-        __m256i raw = half_chunk ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(wr + c * 32)))
-                                 : _mm256_loadu_si256((const __m256i*)(wr + c * 32));
-        __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(raw), raw, 1);  // [b0, b1, b0, b1]
-        z = _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));              // [b0, b0, b1, b1]
-        wv = _mm512_mask_blend_epi64(0xCC, _mm512_and_si512(z, nib), _mm512_and_si512(_mm512_srli_epi16(z, 4), nib));
-        if (half_chunk) wv = _mm512_maskz_mov_epi8(bytes, wv);
-        ol = _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(
-                                            load_scales(wo + (o0 + i) * blocks_per_row + c * 2, nscale)));
+        const uint8_t* p = w + o * row_bytes + c * 16;
+        const __m512 s = _mm512_set1_ps(to_float(ws[o * scales_per_row + c]));
+        const __m512 m = _mm512_set1_ps(to_float(wo[o * blocks_per_row + c]));
+        w0 = _mm512_fmadd_ps(codes16<true>(p, false), s, m);
+        w1 = _mm512_fmadd_ps(codes16<true>(p, true), s, m);
       } else {
-        const __m512i raw = _mm512_maskz_loadu_epi8(bytes, wr + c * 64);
-        wv = _mm512_abs_epi8(raw);
-        neg = _mm512_movepi8_mask(raw);
+        const uint8_t* p = w + o * row_bytes + c * 32;
+        const S* sp = ws + o * scales_per_row + c * (32 / bs);
+        const float s0 = to_float(sp[0]), s1 = bs == 16 ? to_float(sp[1]) : s0;
+        w0 = _mm512_mul_ps(codes16<false>(p, false), _mm512_set1_ps(s0));
+        w1 = _mm512_mul_ps(codes16<false>(p + 16, false), _mm512_set1_ps(s1));
       }
-      const __m512 wl = _mm512_permutexvar_ps(
-          idx, _mm512_castps128_ps512(load_scales(ws + (o0 + i) * scales_per_row + c * per_chunk, nscale)));
       for (int t = 0; t < M; ++t) {
-        const int64_t r = r0 + t;
-        __m512i xq = _mm512_maskz_loadu_epi8(bytes, X.q.data() + r * K + c * 64);
-        if constexpr (!U4) xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
-        const __m512i p = dot4(wv, xq);
-        const __m512 sc = _mm512_mul_ps(wl, _mm512_maskz_loadu_ps(lanes, X.lane.data() + r * (K / 4) + c * 16));
-        acc[i][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), sc, acc[i][t]);
-        if constexpr (U4)
-          acc[i][t] = _mm512_fmadd_ps(ol, _mm512_maskz_loadu_ps(lanes, X.bsum.data() + r * (K / 4) + c * 16),
-                                      acc[i][t]);
+        const float* xr = x + (r0 + t) * K + c * 32;
+        acc[i][t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[i][t]);
+        acc[i][t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[i][t]);
       }
     }
   }
@@ -156,7 +91,7 @@ void tile_dot(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wo, int
 
 #elif defined(__AVX2__)
 
-constexpr int WR = 4;  // 16 vector registers: 8 accumulators
+constexpr int WR = 4;  // 16 vector registers: 8 accumulators, 4 weight vectors
 #define NT 2
 
 inline float hsum8(__m256 v) {
@@ -166,43 +101,51 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// As the AVX-512 tile_dot, with chunks of 32 elements (8 lanes).
+// 8 codes from p as floats (u4: the low or high nibbles of 8 bytes; s8: 8 signed bytes)
+template <bool U4>
+inline __m256 codes8(const uint8_t* p, bool hi) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (U4) {
+    const __m128i q = hi ? _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)) : _mm_and_si128(b, _mm_set1_epi8(0x0F));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+  } else {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  }
+}
+
+// As the AVX-512 tile_dot: a chunk is one block of 32 elements, four vectors of 8.
 template <bool U4, typename S, int W, int M>
-void tile_dot(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wo, int64_t bs, const QuantRows& X,
+void tile_dot(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wo, int64_t bs, const float* x,
               int64_t K, int64_t r0, float* y, int64_t R, int64_t o0) {
   __m256 acc[W][M];
   for (int i = 0; i < W; ++i)
     for (int t = 0; t < M; ++t) acc[i][t] = _mm256_setzero_ps();
-  const int per_chunk = static_cast<int>(32 / bs);  // 1 or 2
-  const __m256i idx = bs == 32 ? _mm256_setzero_si256() : _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
-  const __m256i nib = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   const int64_t scales_per_row = K / bs, blocks_per_row = K / QB;
-  for (int64_t c = 0; c * 32 < K; ++c) {
+  for (int64_t c = 0; c < K / 32; ++c) {
     for (int i = 0; i < W; ++i) {
-      const uint8_t* wr = w + (o0 + i) * row_bytes;
-      __m256i wv, raw;
-      __m256 ol = _mm256_setzero_ps();
+      const int64_t o = o0 + i;
+      __m256 wv[4];
       if constexpr (U4) {
-        const __m128i b = _mm_loadu_si128((const __m128i*)(wr + c * 16));
-        raw = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-        wv = _mm256_and_si256(raw, nib);
-        ol = _mm256_broadcastss_ps(load_scales(wo + (o0 + i) * blocks_per_row + c, 1));
+        const uint8_t* p = w + o * row_bytes + c * 16;
+        const __m256 s = _mm256_set1_ps(to_float(ws[o * scales_per_row + c]));
+        const __m256 m = _mm256_set1_ps(to_float(wo[o * blocks_per_row + c]));
+        wv[0] = _mm256_fmadd_ps(codes8<true>(p, false), s, m);
+        wv[1] = _mm256_fmadd_ps(codes8<true>(p + 8, false), s, m);
+        wv[2] = _mm256_fmadd_ps(codes8<true>(p, true), s, m);
+        wv[3] = _mm256_fmadd_ps(codes8<true>(p + 8, true), s, m);
       } else {
-        raw = _mm256_loadu_si256((const __m256i*)(wr + c * 32));
-        wv = _mm256_sign_epi8(raw, raw);  // |w|
+        const uint8_t* p = w + o * row_bytes + c * 32;
+        const S* sp = ws + o * scales_per_row + c * (32 / bs);
+        const __m256 s0 = _mm256_set1_ps(to_float(sp[0]));
+        const __m256 s1 = bs == 16 ? _mm256_set1_ps(to_float(sp[1])) : s0;
+        wv[0] = _mm256_mul_ps(codes8<false>(p, false), s0);
+        wv[1] = _mm256_mul_ps(codes8<false>(p + 8, false), s0);
+        wv[2] = _mm256_mul_ps(codes8<false>(p + 16, false), s1);
+        wv[3] = _mm256_mul_ps(codes8<false>(p + 24, false), s1);
       }
-      const __m256 wl = _mm256_permutevar8x32_ps(
-          _mm256_castps128_ps256(load_scales(ws + (o0 + i) * scales_per_row + c * per_chunk, per_chunk)), idx);
       for (int t = 0; t < M; ++t) {
-        const int64_t r = r0 + t;
-        __m256i xq = _mm256_loadu_si256((const __m256i*)(X.q.data() + r * K + c * 32));
-        if constexpr (!U4) xq = _mm256_sign_epi8(xq, raw);
-        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xq), ones);
-        const __m256 sc = _mm256_mul_ps(wl, _mm256_loadu_ps(X.lane.data() + r * (K / 4) + c * 8));
-        acc[i][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, acc[i][t]);
-        if constexpr (U4)
-          acc[i][t] = _mm256_fmadd_ps(ol, _mm256_loadu_ps(X.bsum.data() + r * (K / 4) + c * 8), acc[i][t]);
+        const float* xr = x + (r0 + t) * K + c * 32;
+        for (int j = 0; j < 4; ++j) acc[i][t] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(xr + 8 * j), acc[i][t]);
       }
     }
   }
@@ -215,34 +158,26 @@ void tile_dot(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wo, int
 constexpr int WR = 1;
 #define NT 1
 
-// Portable fallback: per block, an integer dot product scaled by d_w * d_x, plus the offset's term.
+// Portable fallback: one weight row and one activation row, the weights dequantized element by element.
 template <bool U4, typename S, int W, int M>
-void tile_dot(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wo, int64_t bs, const QuantRows& X,
+void tile_dot(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wo, int64_t bs, const float* x,
               int64_t K, int64_t r0, float* y, int64_t R, int64_t o0) {
   const uint8_t* wr = w + o0 * row_bytes;
-  const S* sr = ws + o0 * (K / bs);
-  const S* orow = U4 ? wo + o0 * (K / QB) : nullptr;
-  const int64_t r = r0;
-  const int8_t* xq = X.q.data() + r * K;
+  const float* xr = x + r0 * K;
   float acc = 0.f;
-  for (int64_t b = 0; b < K / bs; ++b) {
-    int32_t dot = 0;
-    for (int64_t i = 0; i < bs; ++i) {
-      const int64_t e = b * bs + i;
-      int32_t q;
-      if constexpr (U4) {
-        const int64_t blk = e / 32, j = e % 32;
-        const uint8_t byte = wr[blk * 16 + (j % 16)];
-        q = j < 16 ? (byte & 0x0F) : (byte >> 4);
-      } else {
-        q = static_cast<int8_t>(wr[e]);
-      }
-      dot += q * xq[e];
+  for (int64_t e = 0; e < K; ++e) {
+    float v;
+    if constexpr (U4) {
+      const int64_t blk = e / 32, j = e % 32;
+      const uint8_t byte = wr[blk * 16 + (j % 16)];
+      const float q = static_cast<float>(j < 16 ? (byte & 0x0F) : (byte >> 4));
+      v = std::fma(q, to_float(ws[o0 * (K / bs) + blk]), to_float(wo[o0 * (K / QB) + blk]));
+    } else {
+      v = static_cast<float>(static_cast<int8_t>(wr[e])) * to_float(ws[o0 * (K / bs) + e / bs]);
     }
-    acc += static_cast<float>(dot) * (to_float(sr[b]) * X.lane[r * (K / 4) + (b * bs) / 4]);
-    if constexpr (U4) acc += to_float(orow[b]) * (8.f * X.bsum[r * (K / 4) + b * 8]);
+    acc = std::fma(v, xr[e], acc);
   }
-  y[r * R + o0] = acc;
+  y[r0 * R + o0] = acc;
 }
 
 #endif
@@ -263,7 +198,7 @@ inline void tile_rows(int64_t nt, A... args) {
 }
 
 template <bool U4, typename S>
-void run_rows(const QuantRows& X, int64_t n, int64_t K, const uint8_t* wq, const S* ws, const S* woff,
+void run_rows(const float* X, int64_t n, int64_t K, const uint8_t* wq, const S* ws, const S* woff,
               int64_t bs, int64_t R, float* y) {
   const int64_t row_bytes = U4 ? K / 2 : K;
   // threads split the weight rows, in whole tiles; each task gets enough work to pay for waking a thread
@@ -299,8 +234,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor scales, t
   TORCH_CHECK(wq.size(0) == R && wq.size(1) == (u4 ? K / 2 : K) && scales.size(1) == K / bs, "shapes disagree");
   auto y = torch::empty({n, R}, x.options());
   if (n == 0 || R == 0) return y;
-  QuantRows X;
-  quantize_rows(x.data_ptr<float>(), n, K, X);
+  const float* X = x.data_ptr<float>();
   const uint8_t* w = reinterpret_cast<const uint8_t*>(wq.data_ptr());
   if (scales.scalar_type() == torch::kFloat16) {
     const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr());
@@ -352,9 +286,7 @@ torch::Tensor dequant_rows(torch::Tensor ids, torch::Tensor wq, torch::Tensor sc
 
 // The instruction set this build's kernels use.
 std::string isa() {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-  return "avx512-vnni";
-#elif defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
   return "avx512";
 #elif defined(__AVX2__)
   return "avx2";

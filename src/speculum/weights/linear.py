@@ -2,9 +2,10 @@
 
 :class:`QuantizedLinear` has the call of the native decoder's float ``Linear`` (``x [n, in], min_rows``
 -> ``[n, out]``), so the decoder does not know which it holds. It runs the compiled kernels
-(:mod:`speculum.weights.build`), which quantize the activations to 8 bits per block of 32 as
-llama.cpp does; every row is computed alone, so a row's result does not depend on how many rows
-share the call and the reproducible mode needs no padding (``min_rows`` is ignored). Where the
+(:mod:`speculum.weights.build`), which decode the weights to float32 in registers and keep the
+activations in float32 (the product of the dequantized weights, to float rounding); every row is
+computed alone, so a row's result does not depend on how many rows share the call and the
+reproducible mode needs no padding (``min_rows`` is ignored). Where the
 kernels cannot be built, the layer runs ``F.linear`` on the weight dequantized to float once (the
 exact product of the same weights, rounded differently).
 """
