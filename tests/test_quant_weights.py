@@ -80,7 +80,9 @@ def test_kernels_bound_and_row_independence(arch):
             w = qw.dequantize()
             x = torch.randn(max(ROWS), K) * torch.rand(1, K) * 3  # uneven magnitudes across blocks
             off = qw.offsets if qw.offsets is not None else torch.empty(0)
-            run = lambda rows: k.qlinear(rows, qw.codes, qw.scales, off, qw.block, qw.layout == "u4")
+            def run(rows, qw=qw, off=off):
+                return k.qlinear(rows, qw.codes, qw.scales, off, qw.block, qw.layout == "u4")
+
             full = run(x)
             err = (full - x @ w.T).abs()
             assert (err <= _bound(x, w)).all(), (arch, fmt, R, K, (err - _bound(x, w)).max())

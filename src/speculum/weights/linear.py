@@ -19,6 +19,10 @@ from .build import kernels
 from .formats import QuantWeight
 
 _EMPTY = torch.empty(0)
+# from this many rows (prompt chunks; verification steps stay below it) a product dequantizes the
+# weight for the call and runs one float32 GEMM: the kernels decode each weight block once per 4 rows,
+# which a long prompt chunk pays many times over
+GEMM_ROWS = 128
 
 
 class QuantizedLinear:
@@ -45,6 +49,8 @@ class QuantizedLinear:
             if self._dense is None:
                 self._dense = self.weight.dequantize()
             y = F.linear(x2.float(), self._dense)
+        elif x2.shape[0] >= GEMM_ROWS:
+            y = F.linear(x2.float(), self.weight.dequantize())
         else:
             w = self.weight
             y = self._kernels.qlinear(x2, w.codes, w.scales, self._offsets, w.block, w.layout == "u4")
