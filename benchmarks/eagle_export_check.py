@@ -31,7 +31,7 @@ from vllm_proposers import choose_prompts
 
 def speculum_tokens_per_step(head: str, prompts: list[str], k: int, max_tokens: int, dtype: str) -> float:
     import speculum
-    from speculum.models import load
+    from speculum import load
 
     model, tok = load("default", dtype)
     method = speculum.build_method("eagle", model, tok, draft_head=head, top_k=1, depth=k, full_vocab=True,

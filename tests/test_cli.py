@@ -72,7 +72,7 @@ def test_generate_streams_text(capsys):
 def test_bench_writes_results(tmp_path, capsys):
     out = tmp_path / "b"
     assert main(["bench", "--per-task", "1", "--max-new-tokens", "8", "--methods", "hf,ar,ngram",
-                 "--out", str(out), "--no-progress"]) == 0
+                 "--weights", "float", "--out", str(out), "--no-progress"]) == 0
     res = json.loads((out / "results.json").read_text())
     assert set(res) >= {"model", "dtype", "machine", "versions", "methods"}
     assert set(res["methods"]) == {"hf", "ar", "ngram"}
@@ -159,7 +159,7 @@ def test_bench_structured_reports_coverage_and_validity(tmp_path):
     schemas.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "st"
     assert main(["bench", "--workload", "structured", "--schemas", str(schemas), "--methods", "hf,ar,ngram",
-                 "--max-new-tokens", "24", "--out", str(out), "--no-progress"]) == 0
+                 "--weights", "float", "--max-new-tokens", "24", "--out", str(out), "--no-progress"]) == 0
     res = json.loads((out / "results.json").read_text())
     assert res["coverage"]["compiled"] == 2 and res["coverage"]["total"] == 3
     assert res["schemas_run"] == ["a", "c"]
@@ -187,7 +187,14 @@ def test_longctx_errors(capsys, argv, needle):
 @pytest.mark.slow
 def test_kv_policy_needs_an_engine_method(capsys):
     assert "no speculum KV policy" in _err(capsys, ["generate", "--prompt", "hi", "--method", "hf",
-                                                     "--kv-policy", "snapkv"])
+                                                     "--weights", "float", "--kv-policy", "snapkv"])
+
+
+def test_hf_methods_refuse_quantized_weights(capsys):
+    """The default model loads with its GGUF weights, which transformers cannot run: the hf methods say
+    so before any weights load, and name the way out."""
+    err = _err(capsys, ["generate", "--prompt", "hi", "--method", "hf"])
+    assert "quantized weights" in err and "--weights float" in err
 
 
 @pytest.mark.slow

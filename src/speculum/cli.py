@@ -319,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "reuse its KV entries.")
     s.add_argument("--model", default="default", help="as for generate (default: %(default)s)")
     s.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    s.add_argument("--weights", default="auto", choices=["auto", "gguf", "float", "int8", "int4"],
+                   help=WEIGHTS_HELP)
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     s.add_argument("--method", default="auto", help=f"default drafter: {', '.join(ENGINE_METHODS[:-1])} "
                                                      "(default: %(default)s)")
@@ -695,13 +697,14 @@ def cmd_serve(args) -> int:
 
 def cmd_export_head(args) -> int:
     from .heads.export import export_eagle, export_medusa
-    from .models import load, load_tokenizer_and_config
+    from .loading import load
+    from .models import load_tokenizer_and_config
 
     if args.format == "eagle":
         _, config = load_tokenizer_and_config(args.model)
         out = export_eagle(args.head, config, args.out)
     else:
-        target, _ = load(args.model, "bfloat16")
+        target, _ = load(args.model, "bfloat16", weights="float")  # vLLM runs the float model
         out = export_medusa(args.head, target, args.out)
     print(f"wrote {out} (vLLM: --speculative-config '{{\"method\": \"{args.format}\", \"model\": \"{out}\", "
           f"\"num_speculative_tokens\": 4}}')")

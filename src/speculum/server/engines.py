@@ -57,6 +57,7 @@ class EngineConfig:
     max_batch: int | None = None
     prefix_cache_mb: int = 256
     draft_head: tuple[str, ...] | None = None  # head files (--draft-head), any kinds
+    weights: str | None = None  # --weights (None: auto)
 
 
 @dataclass
@@ -88,14 +89,15 @@ def _engine_main(conn, config: EngineConfig) -> None:  # pragma: no cover - runs
         from ..runners import release_if_native, use_runner
         from .app import ServerState
 
-        model, tok = load(config.model, config.dtype, config.device)
+        model, tok = load(config.model, config.dtype, config.device, weights=config.weights)
         use_runner(model, config.runner)
         release_if_native(model)
         state = ServerState(model, tok, config.model, config.method, max_tree=config.max_tree,
                             share_drafter_state=config.share_drafter_state, deterministic=config.deterministic,
                             max_batch=config.max_batch, prefix_cache_mb=config.prefix_cache_mb, worker=False,
                             draft_head=config.draft_head)
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
+        weights += sum(q.nbytes for q in getattr(model, "speculum_quant", {}).values())
     except BaseException as e:  # noqa: BLE001 - reported to the HTTP process, which refuses to start
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
         return

@@ -73,7 +73,8 @@ def build_state(args: argparse.Namespace, engines: int | None = None, threads: i
     (``engines == 1``) or ``engines`` engine processes. ``engines``/``threads`` override the args'."""
     import torch
 
-    from ..models import load, load_tokenizer_and_config
+    from ..loading import load
+    from ..models import load_tokenizer_and_config
     from ..runners import release_if_native, use_runner
     from .app import ServerState
     from .engines import EngineConfig, EnginePool, default_engines
@@ -88,7 +89,8 @@ def build_state(args: argparse.Namespace, engines: int | None = None, threads: i
     if engines > 1:
         config = EngineConfig(args.model, args.dtype, args.device, args.runner, threads or max(1, cores // engines),
                               args.method, args.max_tree, args.share_drafter_state, args.deterministic,
-                              args.max_batch, args.prefix_cache_mb, args.draft_head)
+                              args.max_batch, args.prefix_cache_mb, args.draft_head,
+                              weights=getattr(args, "weights", None))
         tok, _ = load_tokenizer_and_config(args.model)
         pool = EnginePool(config, engines, Metrics(), args.max_queue)
         if pool.skipped:
@@ -96,7 +98,7 @@ def build_state(args: argparse.Namespace, engines: int | None = None, threads: i
         state = ServerState.over_engines(pool, tok, name, args.method, limits, args.share_drafter_state)
     else:
         torch.set_num_threads(threads or max(1, cores - 1))  # one core left to HTTP
-        model, tok = load(args.model, args.dtype, args.device)
+        model, tok = load(args.model, args.dtype, args.device, weights=getattr(args, "weights", None))
         use_runner(model, args.runner)
         release_if_native(model)  # the server runs only engine methods
         state = ServerState(model, tok, name, args.method, args.max_queue, args.max_tree, limits,

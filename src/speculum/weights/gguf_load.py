@@ -58,7 +58,9 @@ def load_gguf_quantized(path: Path, config, dtype: torch.dtype):
             if qw is None:
                 log.info("%s: GGUF type %s has no kernel layout; dequantized to float", t.name, qtype)
         if qw is not None:
-            quant[name] = qw.rows(_row_order(processor, t.name, shape[0]))
+            order = _row_order(processor, t.name, shape[0])
+            identity = bool(torch.equal(order, torch.arange(shape[0])))
+            quant[name] = qw if identity else qw.rows(order)  # (a copy only where rows move: Llama's Q, K)
             continue
         weights = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
         weights = processor.process(weights=weights, name=t.name).weights

@@ -38,8 +38,9 @@ inline float to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(
 // one per output, each summed over the chunks in order, then reduced once.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 
-constexpr int WR = 4;
-#define NT 4
+// tile shapes: few activation rows take more weight rows (independent sums), many take more activation
+// rows per decoded weight block (WIDE_M), within 32 vector registers
+constexpr int NARROW_W = 4, NARROW_M = 2, WIDE_W = 2, WIDE_M = 8;
 
 // 16 codes from p as floats: u4 takes the low (hi = false) or high nibbles of 16 bytes, s8 16 signed bytes
 template <bool U4>
@@ -91,8 +92,8 @@ void tile_dot(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wo, int
 
 #elif defined(__AVX2__)
 
-constexpr int WR = 4;  // 16 vector registers: 8 accumulators, 4 weight vectors
-#define NT 2
+// 16 vector registers: 4 weight rows x 2 activation rows, or one weight row (4 vectors) x 8 rows
+constexpr int NARROW_W = 4, NARROW_M = 2, WIDE_W = 1, WIDE_M = 8;
 
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -155,8 +156,7 @@ void tile_dot(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wo, int
 
 #else
 
-constexpr int WR = 1;
-#define NT 1
+constexpr int NARROW_W = 1, NARROW_M = 1, WIDE_W = 1, WIDE_M = 1;
 
 // Portable fallback: one weight row and one activation row, the weights dequantized element by element.
 template <bool U4, typename S, int W, int M>
@@ -182,41 +182,46 @@ void tile_dot(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wo, int
 
 #endif
 
-// tile_dot with the activation-row count as a constant (so the accumulators stay in registers)
-template <bool U4, typename S, int W, typename... A>
+// tile_dot with the activation-row count (1 .. MAXM) as a constant, so the accumulators stay in registers
+template <bool U4, typename S, int W, int MAXM, typename... A>
 inline void tile_rows(int64_t nt, A... args) {
-  switch (nt) {
-    case 1: tile_dot<U4, S, W, 1>(args...); break;
-#if NT > 1
-    case 2: tile_dot<U4, S, W, 2>(args...); break;
-#endif
-#if NT > 2
-    case 3: tile_dot<U4, S, W, 3>(args...); break;
-    default: tile_dot<U4, S, W, 4>(args...); break;
-#endif
-  }
+  if constexpr (MAXM >= 8) if (nt >= 8) return tile_dot<U4, S, W, 8>(args...);
+  if constexpr (MAXM >= 7) if (nt == 7) return tile_dot<U4, S, W, 7>(args...);
+  if constexpr (MAXM >= 6) if (nt == 6) return tile_dot<U4, S, W, 6>(args...);
+  if constexpr (MAXM >= 5) if (nt == 5) return tile_dot<U4, S, W, 5>(args...);
+  if constexpr (MAXM >= 4) if (nt == 4) return tile_dot<U4, S, W, 4>(args...);
+  if constexpr (MAXM >= 3) if (nt == 3) return tile_dot<U4, S, W, 3>(args...);
+  if constexpr (MAXM >= 2) if (nt == 2) return tile_dot<U4, S, W, 2>(args...);
+  tile_dot<U4, S, W, 1>(args...);
+}
+
+template <bool U4, typename S, int W, int M>
+void run_tiles(const float* X, int64_t n, int64_t K, const uint8_t* wq, const S* ws, const S* woff,
+               int64_t bs, int64_t R, float* y) {
+  const int64_t row_bytes = U4 ? K / 2 : K;
+  // threads split the weight rows, in whole tiles; each task gets enough work to pay for waking a thread
+  const int64_t tiles = (R + W - 1) / W;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, K * n * W));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t o0 = tile * W;
+      for (int64_t r0 = 0; r0 < n; r0 += M) {
+        const int64_t nt = std::min<int64_t>(M, n - r0);
+        if (o0 + W <= R) {
+          tile_rows<U4, S, W, M>(nt, wq, row_bytes, ws, woff, bs, X, K, r0, y, R, o0);
+        } else {
+          for (int64_t o = o0; o < R; ++o) tile_rows<U4, S, 1, M>(nt, wq, row_bytes, ws, woff, bs, X, K, r0, y, R, o);
+        }
+      }
+    }
+  });
 }
 
 template <bool U4, typename S>
 void run_rows(const float* X, int64_t n, int64_t K, const uint8_t* wq, const S* ws, const S* woff,
               int64_t bs, int64_t R, float* y) {
-  const int64_t row_bytes = U4 ? K / 2 : K;
-  // threads split the weight rows, in whole tiles; each task gets enough work to pay for waking a thread
-  const int64_t tiles = (R + WR - 1) / WR;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, K * n * WR));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t o0 = tile * WR;
-      for (int64_t r0 = 0; r0 < n; r0 += NT) {
-        const int64_t nt = std::min<int64_t>(NT, n - r0);
-        if (o0 + WR <= R) {
-          tile_rows<U4, S, WR>(nt, wq, row_bytes, ws, woff, bs, X, K, r0, y, R, o0);
-        } else {
-          for (int64_t o = o0; o < R; ++o) tile_rows<U4, S, 1>(nt, wq, row_bytes, ws, woff, bs, X, K, r0, y, R, o);
-        }
-      }
-    }
-  });
+  if (n <= NARROW_M) run_tiles<U4, S, NARROW_W, NARROW_M>(X, n, K, wq, ws, woff, bs, R, y);
+  else run_tiles<U4, S, WIDE_W, WIDE_M>(X, n, K, wq, ws, woff, bs, R, y);
 }
 
 }  // namespace
