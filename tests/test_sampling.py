@@ -213,3 +213,34 @@ def test_seeded_sampling_is_the_same_under_every_drafter(model):
             assert tree.generate(PROMPT, 24, PARAMS, seed=seed).tokens == want
     texts = {tuple(ar.generate(PROMPT, 24, PARAMS, seed=s).tokens) for s in range(8)}
     assert len(texts) > 4  # and different seeds give different texts
+
+
+def native_joint(runner) -> dict[tuple[int, int], float]:
+    """:func:`exact_joint` from the native runner's one-token steps (a quantized model has no
+    transformers forward)."""
+    def last(seq):
+        cache = runner.new_cache(16)
+        runner.prefill(cache, seq[:-1])
+        return runner.forward(cache, seq[-1], DraftTree()).logits[0]
+
+    p1 = PARAMS.probs(last(PROMPT))
+    p2 = torch.stack([PARAMS.probs(last(PROMPT + [a])) for a in range(VOCAB)])
+    return {(a, b): float(p1[a] * p2[a, b]) for a in range(VOCAB) for b in range(VOCAB)}
+
+
+def test_sampling_on_quantized_weights_keeps_their_distribution():
+    """On int4 weights (the quantized kernels), speculative sampling over keyed point-mass trees draws
+    from the quantized model's own distribution, which differs from the float model's (the verifier's
+    other paths do not depend on the weights' format: the float tests above cover them)."""
+    from speculum.weights.quantize_model import quantize_model
+
+    qmodel = tiny_llama(seed=3, vocab=VOCAB, logit_scale=8.0)
+    quantize_model(qmodel, "int4")
+    runner = NativeRunner(qmodel)
+    exact = native_joint(runner)
+    float_exact = exact_joint(tiny_llama(seed=3, vocab=VOCAB, logit_scale=8.0))
+    assert max(abs(exact[c] - float_exact[c]) for c in exact) > 1e-4  # another model
+    engine = Engine(runner, RandomTreeDrafter(), eos_token_ids=[])
+    n = 12000
+    p = chi2_pvalue(sample_pairs(engine, n, seed0=5000), exact, n)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
