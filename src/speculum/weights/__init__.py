@@ -20,7 +20,6 @@ import torch
 from .formats import QuantWeight, cat_rows
 from .linear import QuantizedEmbedding, QuantizedLinear
 
-WEIGHTS = ("auto", "gguf", "float", "int8", "int4")
 
 
 class StackedLinear:
@@ -93,5 +92,5 @@ def float_weight(model, name: str) -> torch.Tensor:
     return tensor.detach()
 
 
-__all__ = ["WEIGHTS", "QuantWeight", "QuantizedEmbedding", "QuantizedLinear", "StackedLinear", "embedder",
+__all__ = ["QuantWeight", "QuantizedEmbedding", "QuantizedLinear", "StackedLinear", "embedder",
            "float_weight", "model_device", "quantized_linear", "quantized_of"]
