@@ -21,7 +21,6 @@ from .formats import QuantWeight, cat_rows
 from .linear import QuantizedEmbedding, QuantizedLinear
 
 
-
 class StackedLinear:
     """Several quantized linear layers whose outputs are concatenated (a fused QKV whose parts are
     stored in layouts that do not stack)."""
