@@ -274,9 +274,9 @@ def head_for_target(target: torch.nn.Module, kind: str, files: HeadFiles,
         loaded = load_head(path, target)
         if loaded.kind != kind:
             raise SpeculumError(f"{path} holds a {loaded.kind} head, not a {kind} head")
-        from ..weights import model_device
+        from ..weights import model_device, model_dtype
 
-        dtype = next(p.dtype for p in target.parameters() if p.device.type != "meta")
+        dtype = model_dtype(target)
         head = loaded.module.to(dtype).to(model_device(target)).freeze()
         per_target[key] = head, TargetTables.of(target, loaded.draft_vocab, dtype)
     head, tables = per_target[key]

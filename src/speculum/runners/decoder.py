@@ -225,8 +225,12 @@ class NativeDecoder:
         gemma = cfg.model_type in GEMMA3
         quant = getattr(model, "speculum_quant", None) or {}
         base = model.model
-        dtype = next(t.dtype for t in model.parameters() if t.device.type != "meta") if quant else \
-            model.get_output_embeddings().weight.dtype
+        if quant:
+            from ..weights import model_dtype
+
+            dtype = model_dtype(model)
+        else:
+            dtype = model.get_output_embeddings().weight.dtype
         if fused is None:
             w = model.get_output_embeddings().weight
             fused = ((w.device.type == "cuda" or dtype != torch.float32)

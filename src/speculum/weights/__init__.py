@@ -66,6 +66,12 @@ def model_device(model) -> torch.device:
     return torch.device("cpu")
 
 
+def model_dtype(model) -> torch.dtype:
+    """The dtype ``model`` computes in: its first real parameter's (a quantized model's meta tensors
+    aside; float32 where it has none)."""
+    return next((p.dtype for p in model.parameters() if p.device.type != "meta"), torch.float32)
+
+
 def embedder(model):
     """``ids [...]`` -> input embeddings ``[..., D]`` (Gemma's scale included) of ``model``, whose table
     may be quantized."""
@@ -75,7 +81,7 @@ def embedder(model):
         return module
     table = QuantizedEmbedding(quant["model.embed_tokens.weight"])
     scale = getattr(module, "embed_scale", None)
-    dtype = next((p.dtype for p in model.parameters() if p.device.type != "meta"), torch.float32)
+    dtype = model_dtype(model)
     return lambda ids: table(ids).to(dtype) * (scale.to(dtype) if scale is not None else 1)
 
 
@@ -92,4 +98,4 @@ def float_weight(model, name: str) -> torch.Tensor:
 
 
 __all__ = ["QuantWeight", "QuantizedEmbedding", "QuantizedLinear", "StackedLinear", "embedder",
-           "float_weight", "model_device", "quantized_linear", "quantized_of"]
+           "float_weight", "model_device", "model_dtype", "quantized_linear", "quantized_of"]
