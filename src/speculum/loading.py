@@ -27,10 +27,10 @@ from .runners.decoder import unsupported_reason
 WEIGHT_CHOICES = ("auto", "gguf", "float", "int8", "int4")
 
 
-def resolve_weights(model: str, weights: str | None = None, device: str | None = None) -> str:
+def resolve_weights(model: str, weights: str | None = None, device: str | None = None, config=None) -> str:
     """What ``weights`` (default ``auto``) means for ``model`` on ``device``: one of ``gguf``,
     ``float``, ``int8``, ``int4`` (module docstring); a :class:`SpeculumError` for a choice that
-    cannot apply."""
+    cannot apply. ``config``: the model's configuration, where the caller has read it already."""
     from .models import default_device
 
     device = str(device or default_device())
@@ -39,10 +39,11 @@ def resolve_weights(model: str, weights: str | None = None, device: str | None =
         raise SpeculumError(f"unknown weights {weights!r}; choose one of {', '.join(WEIGHT_CHOICES)}")
     kind, _ = resolve(model)
     cpu = device.startswith("cpu")
+    reason = lambda: unsupported_reason(config if config is not None else load_tokenizer_and_config(model)[1])
     if weights == "auto":
         if kind != "gguf" or not cpu:
             return "float"
-        return "float" if unsupported_reason(load_tokenizer_and_config(model)[1]) else "gguf"
+        return "float" if reason() else "gguf"
     if weights == "float":
         return weights
     if weights == "gguf" and kind != "gguf":
@@ -51,9 +52,9 @@ def resolve_weights(model: str, weights: str | None = None, device: str | None =
     if not cpu:
         raise SpeculumError(f"--weights {weights} runs on CPUs only (the quantized kernels are CPU code); "
                             f"use --weights float on {device}")
-    reason = unsupported_reason(load_tokenizer_and_config(model)[1])
-    if reason:
-        raise SpeculumError(f"--weights {weights} needs the native runner, which does not support {reason}; "
+    why = reason()
+    if why:
+        raise SpeculumError(f"--weights {weights} needs the native runner, which does not support {why}; "
                             "use --weights float")
     return weights
 
@@ -71,7 +72,10 @@ def load(model: str = "default", dtype: str | torch.dtype | None = None, device:
         tokenizer: this model's tokenizer, if already loaded.
         weights: ``"auto"``, ``"gguf"``, ``"float"``, ``"int8"`` or ``"int4"`` (module docstring).
     """
-    weights = resolve_weights(model, weights, device)
+    tok = config = None
+    if resolve(model)[0] == "gguf":  # read once: resolve_weights and the GGUF loader both need it
+        tok, config = load_tokenizer_and_config(model)
+    weights = resolve_weights(model, weights, device, config)
     if weights == "float":
         lm, tokenizer = load_float(model, dtype, device, tokenizer)
         lm.speculum_weights = "float"
@@ -82,7 +86,6 @@ def load(model: str = "default", dtype: str | torch.dtype | None = None, device:
     if weights == "gguf":
         from .weights.gguf_load import load_gguf_quantized
 
-        tok, config = load_tokenizer_and_config(model)
         try:
             lm, quant = load_gguf_quantized(Path(resolve(model)[1]), config, torch_dtype)
         except (ValueError, NotImplementedError) as e:

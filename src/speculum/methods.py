@@ -378,7 +378,7 @@ def load_checked(model_name: str, methods: Sequence[str], draft_name: str | None
         if name in LLAMA_METHODS:
             gguf_path(model_name, name)
     tok, config = load_tokenizer_and_config(model_name)
-    weights = resolve_weights(model_name, weights, device)
+    weights = resolve_weights(model_name, weights, device, config)
     hf = [m for m in methods if m in HF_METHODS]
     if weights != "float" and hf:
         raise SpeculumError(f"{', '.join(hf)} run transformers' generate, which cannot run quantized weights; "
