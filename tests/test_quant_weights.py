@@ -174,3 +174,80 @@ def test_quantized_model_differs_from_float():
     a, b = NativeRunner(model).decoder.logits(h), NativeRunner(qmodel).decoder.logits(h)
     assert float_logits.shape == b.shape and not torch.allclose(a, b, atol=1e-4)
     assert torch.allclose(a, b, atol=0.5)  # ... but close to it
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layer_ops_match_torch(arch):
+    """The compiled glue between the products (norms, rotary, attention over the cache) computes what
+    the decoder's torch path computes, to float32 rounding; per code path."""
+    from speculum.attention import attention, grouped, rotate
+    from speculum.runners.decoder import RMSNorm
+
+    k = load_kernels(arch)
+    torch.manual_seed(0)
+    n, D, H, Hkv, d, C = 5, 96, 6, 2, 16, 40
+    h, a = torch.randn(n, D), torch.randn(n, D) * 3
+    w, w2 = torch.rand(D) + 0.5, torch.rand(D) + 0.5
+    for gemma in (False, True):
+        norm, norm2 = RMSNorm(w, 1e-6, gemma), RMSNorm(w2, 1e-5, gemma)
+        assert torch.allclose(k.rms_norm(h, norm.scale32, 1e-6), norm(h), atol=1e-5)
+        h2, x = k.add_rms_norm(h, a, norm.scale32, 1e-6, norm2.scale32, 1e-5)
+        assert torch.allclose(h2, h + norm(a), atol=1e-5) and torch.allclose(x, norm2(h + norm(a)), atol=1e-5)
+        h2, x = k.add_rms_norm(h, a, torch.empty(0), 0.0, torch.empty(0), 0.0)
+        assert torch.equal(h2, h + a) and x.numel() == 0
+    qkv = torch.randn(n, (H + 2 * Hkv) * d)
+    ang = torch.rand(n, d // 2) * 6
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    qs, ks = RMSNorm(torch.rand(d), 1e-6, True), RMSNorm(torch.rand(d), 1e-6, True)
+    q, kk, v = k.rope_qkv(qkv, cos, sin, H, Hkv, qs.scale32, ks.scale32, 1e-6)
+    rq, rk, rv = qkv.view(n, H + 2 * Hkv, d).split([H, Hkv, Hkv], 1)
+    assert torch.allclose(q, rotate(qs(rq), cos[:, None], sin[:, None]), atol=1e-5)
+    assert torch.allclose(kk, rotate(ks(rk), cos[:, None], sin[:, None]), atol=1e-5)
+    assert torch.equal(v, rv)
+    kv = torch.randn(1, 2, Hkv, C, d)
+    write, keys = 20, 30  # slots 25..29 stay unseen by the mask; 20..24 take the new rows
+    visible = torch.ones(n, keys, dtype=torch.bool)
+    visible[:, write:] = False
+    visible[:, write:write + n] = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0],
+                                               [1, 0, 1, 1, 0], [1, 1, 0, 0, 1]], dtype=torch.bool)  # a tree
+    for softcap in (0.0, 5.0):
+        for mask in (grouped(visible, H // Hkv, torch.float32), None):
+            cache = kv.clone()
+            got = k.attend_cache(q, kk, v, cache, 0, write, keys, torch.empty(0) if mask is None else mask, 0.25,
+                                 softcap)
+            assert torch.equal(cache[0, 0, :, write:write + n], kk.transpose(0, 1))
+            want = attention(q, cache[0, 0, :, :keys], cache[0, 1, :, :keys], mask, 0.25, softcap or None)
+            assert torch.allclose(got, want, atol=1e-5), (softcap, mask is None, (got - want).abs().max())
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_quantized_forward_is_row_invariant(kind):
+    """On quantized weights every row of a step is computed alone: a token's logits are the same bits
+    whether one-token steps, a chain or a tree's branch computed them (what keeps speculative output
+    equal to plain decoding's whatever the rounding)."""
+    from speculum.tree import DraftTree, TreeBuilder
+
+    runner = NativeRunner(_quantized_tiny(kind, "int4"))
+    assert runner.decoder.ops is not None
+    prompt, root, toks = list(range(3, 23)), 7, [11, 5, 40, 9, 33]
+    cache = runner.new_cache(128)
+    runner.prefill(cache, prompt)
+    steps = []
+    for t in [root] + toks:
+        steps.append(runner.forward(cache, t, DraftTree.chain([])).logits[-1])
+        cache.commit()
+    assert not torch.equal(steps[0], steps[1])
+    cache = runner.new_cache(128)
+    runner.prefill(cache, prompt)
+    chain = runner.forward(cache, root, DraftTree.chain(toks)).logits
+    assert all(torch.equal(chain[i], steps[i]) for i in range(len(steps)))
+    b = TreeBuilder()
+    b.add_path([8, 12, 3], [3.0, 2.0, 1.0])
+    b.add_path(toks, [0.5] * len(toks))
+    b.add(0, 21, 0.1)
+    tree = b.build()
+    cache = runner.new_cache(128)
+    runner.prefill(cache, prompt)
+    logits = runner.forward(cache, root, tree).logits
+    rows = [0] + [1 + tree.tokens.index(t) for t in toks]
+    assert all(torch.equal(logits[r], steps[i]) for i, r in enumerate(rows))

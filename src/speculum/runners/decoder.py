@@ -38,6 +38,20 @@ from .packed import packed_linear
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 GEMMA3 = {"gemma3_text"}
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}  # inv_freq fixed for all lengths
+# steps of up to this many rows attend through the compiled layer ops (decode and verification; longer
+# prompt chunks take torch's attention, whose blocked kernels are faster there)
+OPS_ATTENTION_ROWS = 64
+_EMPTY = torch.empty(0)
+
+
+def layer_ops():
+    """The compiled layer ops (:mod:`speculum.weights.build`), or None where they cannot be built or
+    ``SPECULUM_LAYER_OPS=0``."""
+    if os.environ.get("SPECULUM_LAYER_OPS", "1") == "0":
+        return None
+    from ..weights.build import kernels
+
+    return kernels()
 
 
 def unsupported_reason(config) -> str | None:
@@ -122,6 +136,7 @@ class RMSNorm:
         self.scale = (1.0 + weight.float()) if gemma else weight
         self.fused_weight = self.scale.to(weight.dtype)
         self.shape = (weight.shape[0],)
+        self.scale32 = self.scale.float().contiguous()  # the compiled layer ops' operand
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
@@ -204,6 +219,10 @@ class NativeDecoder:
         self.quantized = not isinstance(embed, torch.Tensor)
         self.dtype = dtype or embed.dtype
         self.device = torch.device("cpu") if self.quantized else embed.device
+        # the compiled glue between the quantized products (norms, rotary, attention over the cache:
+        # speculum/weights/layer_ops.cpp), which computes every row alone; None runs torch's operators
+        quantized_layers = any(not isinstance(layer.qkv, Linear) for layer in layers)
+        self.ops = layer_ops() if quantized_layers and self.dtype == torch.float32 and not fused else None
         self.layout = AttentionLayout(
             layers=shape.layers, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
             scale=shape.attn_scale, softcap=shape.attn_softcap, window=shape.sliding_window,
@@ -321,6 +340,11 @@ class NativeDecoder:
             keys = kv.shape[3]
 
         def attend(i: int, layer: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            mask = masks[layer.sliding]
+            if (self.ops is not None and isinstance(write, int) and n <= OPS_ATTENTION_ROWS
+                    and (mask is None or mask.dim() == 2)):
+                return self.ops.attend_cache(q, k, v, kv, i, write, keys, _EMPTY if mask is None else mask,
+                                             self.shape.attn_scale, self.shape.attn_softcap or 0.0)
             if self.fused:
                 new = torch.stack((k, v)).transpose(1, 2)  # [2, H_kv, n, d]
                 if isinstance(write, int):
@@ -363,7 +387,7 @@ class NativeDecoder:
             if i + 1 in hidden_layers and i + 1 < last:
                 hidden[i + 1] = h
         if last in hidden_layers:
-            normed = self.final_norm(h)
+            normed = self.norm_final(h)
             hidden[last] = normed
             if logit_rows is not None:
                 normed = normed.index_select(0, logit_rows)
@@ -391,6 +415,8 @@ class NativeDecoder:
     def layer_forward(self, i: int, layer: Layer, h: torch.Tensor, rope: dict, attend,
                       floors: RowFloors = NO_FLOORS) -> torch.Tensor:
         """One decoder layer on ``h [n, D]``; ``attend`` and ``floors`` as in :meth:`forward_with`."""
+        if self.ops is not None:
+            return self._layer_ops_forward(i, layer, h, rope, attend)
         s = self.shape
         n = h.shape[0]
         cos, sin = rope["sliding_attention" if layer.sliding else "full_attention"]
@@ -414,9 +440,40 @@ class NativeDecoder:
         m = layer.down(self.act(gate) * up, floors.down)
         return h + (layer.post_mlp_norm(m) if layer.post_mlp_norm is not None else m)
 
+    def _layer_ops_forward(self, i: int, layer: Layer, h: torch.Tensor, rope: dict, attend) -> torch.Tensor:
+        """:meth:`layer_forward` on the compiled layer ops (quantized weights, float32): the norms with
+        their residual adds, and the q/k norms with the rotary embedding, each one call."""
+        s, ops = self.shape, self.ops
+        cos, sin = rope["sliding_attention" if layer.sliding else "full_attention"]
+        norm = layer.input_norm
+        x = ops.rms_norm(h.contiguous(), norm.scale32, norm.eps)
+        qkv = layer.qkv(x)
+        qn, kn = layer.q_norm, layer.k_norm
+        q, k, v = ops.rope_qkv(qkv, cos, sin, s.heads, s.kv_heads, _EMPTY if qn is None else qn.scale32,
+                               _EMPTY if kn is None else kn.scale32, 0.0 if qn is None else qn.eps)
+        a = layer.o(attend(i, layer, q, k, v))
+        if layer.pre_mlp_norm is not None:  # Gemma: norms on both sides of each block
+            post, nxt = layer.post_attn_norm, layer.pre_mlp_norm
+            h, x = ops.add_rms_norm(h, a, post.scale32, post.eps, nxt.scale32, nxt.eps)
+        else:
+            nxt = layer.post_attn_norm
+            h, x = ops.add_rms_norm(h, a, _EMPTY, 0.0, nxt.scale32, nxt.eps)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)
+        m = layer.down(self.act(gate) * up)
+        post = layer.post_mlp_norm
+        h, _ = ops.add_rms_norm(h, m, _EMPTY if post is None else post.scale32, 0.0 if post is None else post.eps,
+                                _EMPTY, 0.0)
+        return h
+
     def logits(self, h: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
         """Final norm, head and soft-capping: ``h [n, D]`` -> ``[n, V]`` (``min_rows``: see :class:`Linear`)."""
-        return self.head_logits(self.final_norm(h), min_rows)
+        return self.head_logits(self.norm_final(h), min_rows)
+
+    def norm_final(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm of ``h [n, D]`` (on the compiled layer ops where the decoder has them)."""
+        if self.ops is not None:
+            return self.ops.rms_norm(h.contiguous(), self.final_norm.scale32, self.final_norm.eps)
+        return self.final_norm(h)
 
     def head_logits(self, normed: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
         """Head and soft-capping of final-norm outputs ``[n, D]`` -> ``[n, V]``."""

@@ -25,7 +25,7 @@ from ..models import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.cpp", "layer_ops.cpp"))
 ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx_vnni")
 
 
@@ -49,7 +49,9 @@ def target_arch() -> str:
 
 
 def build_key(arch: str) -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes())
     h.update(" ".join(cpu_flags()).encode())
     h.update(arch.encode())
     h.update(torch.__version__.encode())
@@ -91,9 +93,9 @@ def load_kernels(arch: str | None = None):
     where.mkdir(parents=True, exist_ok=True)
     with FileLock(str(where) + ".lock"):  # test workers may build at the same moment
         try:
-            return load(name=f"speculum_qkernels_{key}", sources=[str(SOURCE)], build_directory=str(where),
+            return load(name=f"speculum_qkernels_{key}", sources=[str(p) for p in SOURCES], build_directory=str(where),
                         extra_cflags=["-O3", f"-march={arch}", "-fno-math-errno", "-fopenmp"],
                         extra_ldflags=["-fopenmp"], verbose=False)
         except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:  # a compiler error, no ninja
-            raise KernelsUnavailable(f"building {SOURCE.name} failed: {str(e).strip().splitlines()[-1][:300]}") \
+            raise KernelsUnavailable(f"building the kernels failed: {str(e).strip().splitlines()[-1][:300]}") \
                 from None

@@ -300,7 +300,10 @@ std::string isa() {
 #endif
 }
 
+void register_layer_ops(pybind11::module& m);  // layer_ops.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_layer_ops(m);
   m.def("qlinear", &qlinear, "x @ W^T on block-quantized W");
   m.def("dequant_rows", &dequant_rows, "rows of a block-quantized W, dequantized");
   m.def("isa", &isa, "instruction set of this build");

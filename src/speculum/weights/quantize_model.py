@@ -25,7 +25,7 @@ def quantize_model(model: torch.nn.Module, weights: str) -> dict:
     ``int8`` or ``int4``); sets and returns ``model.speculum_quant``."""
     if weights not in LAYER_FORMAT:
         raise ValueError(f"weights must be int8 or int4, not {weights!r}")
-    quant = {}
+    quant, seen = {}, set()
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     for name, param in list(model.named_parameters(remove_duplicate=False)):
@@ -37,8 +37,9 @@ def quantize_model(model: torch.nn.Module, weights: str) -> dict:
             fmt = LAYER_FORMAT[weights]
         else:
             continue
-        if param is head and head is embed:
-            continue  # tied: the embedding's entry serves both
+        if id(param) in seen:
+            continue  # tied: the first name's entry (the embedding's) serves both
+        seen.add(id(param))
         quant[name] = quantize(param, fmt)
     for name in quant:
         module_name, _, attr = name.rpartition(".")

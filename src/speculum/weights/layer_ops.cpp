@@ -1,0 +1,342 @@
+// The native decoder's operations between the quantized matrix products, for float32 activations on a
+// CPU: RMSNorm with the residual add, rotary embedding (with per-head q/k norms), and attention of
+// decode and verification rows over the static KV cache.
+//
+// Why hand-written: with the weights quantized, a one-token step of a small model spends about as long
+// dispatching some twenty small torch operators per layer as in its matrix products. Here a layer's
+// glue is three calls.
+//
+// Every row is computed alone, by the same instructions in the same order whatever the number of rows
+// in the call: a norm reduces its row with vector lanes fixed by the element's index; the attention of
+// a query lists the cache slots it may see (the mask's finite entries, in slot order) and sums over that
+// list with lanes fixed by the position in it. A tree's verification row sees its ancestors after the
+// cached prefix, in the order a one-token step sees the same tokens once committed; with row-independent
+// matrix products (kernels.cpp) a token's logits then come out bit for bit the same whatever step
+// computed them.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t VW = 16;
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+  const __m512 va = _mm512_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
+}
+
+// exp of 16 values <= 0 (Cephes' expf: range reduction by ln 2, degree-5 polynomial); below -87.3 it is 0
+inline __m512 exp16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+}
+
+// s[0 .. n) <- exp(s - m), n a multiple of VW; returns their sum (lanes by index, then one fixed reduction)
+inline float exp_sum(float* s, int64_t n, float m) {
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
+    _mm512_storeu_ps(s + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t VW = 8;
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float s = hsum8(acc);
+  for (; i < n; ++i) s = std::fma(a[i], b[i], s);
+  return s;
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+  const __m256 va = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
+}
+
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(keep, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+inline float exp_sum(float* s, int64_t n, float m) {
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vm));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  return hsum8(acc);
+}
+
+#else
+constexpr int64_t VW = 1;
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; ++i) s = std::fma(a[i], b[i], s);
+  return s;
+}
+
+inline void axpy(float a, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
+}
+
+inline float exp_sum(float* s, int64_t n, float m) {
+  float acc = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    acc += s[i];
+  }
+  return acc;
+}
+#endif
+
+// out[D] = x * rsqrt(mean(x^2) + eps) * scale (transformers' RMSNorm in float32, the scale being the
+// weight, or 1 + weight for Gemma's)
+inline void rms_norm_row(const float* x, const float* scale, float eps, int64_t D, float* out) {
+  const float r = 1.0f / std::sqrt(dot(x, x, D) / static_cast<float>(D) + eps);
+  for (int64_t j = 0; j < D; ++j) out[j] = (x[j] * r) * scale[j];
+}
+
+// rotary embedding of one head x[d] in place: x cos + rotate_half(x) sin
+inline void rotate_row(float* x, const float* cos, const float* sin, int64_t d) {
+  const int64_t half = d / 2;
+  float tmp[1024];
+  std::copy(x, x + d, tmp);
+  for (int64_t j = 0; j < half; ++j) x[j] = tmp[j] * cos[j] - tmp[j + half] * sin[j];
+  for (int64_t j = half; j < d; ++j) x[j] = tmp[j] * cos[j] + tmp[j - half] * sin[j];
+}
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu(),
+              name, " must be a contiguous float32 CPU tensor");
+}
+
+}  // namespace
+
+// x [n, D] -> [n, D]: RMSNorm with the float32 scale [D].
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor scale, double eps) {
+  check_f32(x, "x");
+  check_f32(scale, "scale");
+  const int64_t n = x.size(0), D = x.size(1);
+  TORCH_CHECK(scale.numel() == D, "scale must have one entry per column");
+  auto out = torch::empty_like(x);
+  for (int64_t i = 0; i < n; ++i)
+    rms_norm_row(x.data_ptr<float>() + i * D, scale.data_ptr<float>(), static_cast<float>(eps), D,
+                 out.data_ptr<float>() + i * D);
+  return out;
+}
+
+// The residual add and the next norm: h2 = h + (post_scale given ? norm(a) * post_scale : a), and
+// x = norm(h2) * next_scale where next_scale is given (else an empty tensor). h, a [n, D] -> (h2, x).
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor a, torch::Tensor post_scale,
+                                                      double post_eps, torch::Tensor next_scale, double next_eps) {
+  check_f32(h, "h");
+  check_f32(a, "a");
+  const int64_t n = h.size(0), D = h.size(1);
+  TORCH_CHECK(a.size(0) == n && a.size(1) == D, "h and a must have one shape");
+  const bool post = post_scale.numel() > 0, next = next_scale.numel() > 0;
+  if (post) check_f32(post_scale, "post_scale");
+  if (next) check_f32(next_scale, "next_scale");
+  auto h2 = torch::empty_like(h);
+  auto x = next ? torch::empty_like(h) : torch::empty({0}, h.options());
+  std::vector<float> t(post ? D : 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const float* hr = h.data_ptr<float>() + i * D;
+    const float* ar = a.data_ptr<float>() + i * D;
+    float* out = h2.data_ptr<float>() + i * D;
+    if (post) {
+      rms_norm_row(ar, post_scale.data_ptr<float>(), static_cast<float>(post_eps), D, t.data());
+      ar = t.data();
+    }
+    for (int64_t j = 0; j < D; ++j) out[j] = hr[j] + ar[j];
+    if (next) rms_norm_row(out, next_scale.data_ptr<float>(), static_cast<float>(next_eps), D, x.data_ptr<float>() + i * D);
+  }
+  return {h2, x};
+}
+
+// The fused QKV product's output [n, (H + 2 H_kv) d] -> q [n, H, d], k, v [n, H_kv, d]: per-head norms on
+// q and k where their scales [d] are given (Gemma-3, Qwen3), then the rotary embedding (cos, sin [n, d]).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_qkv(torch::Tensor qkv, torch::Tensor cos,
+                                                                 torch::Tensor sin, int64_t H, int64_t Hkv,
+                                                                 torch::Tensor q_scale, torch::Tensor k_scale,
+                                                                 double eps) {
+  check_f32(qkv, "qkv");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  const int64_t n = qkv.size(0), d = cos.size(-1);
+  TORCH_CHECK(qkv.numel() == n * (H + 2 * Hkv) * d, "qkv must be [n, (H + 2 H_kv) d]");
+  TORCH_CHECK(cos.numel() == n * d && sin.numel() == n * d, "cos and sin must be [n, d]");
+  TORCH_CHECK(d % 2 == 0 && d <= 1024, "head dim must be even and at most 1024");
+  const bool qn = q_scale.numel() > 0, kn = k_scale.numel() > 0;
+  if (qn) check_f32(q_scale, "q_scale");
+  if (kn) check_f32(k_scale, "k_scale");
+  auto q = torch::empty({n, H, d}, qkv.options());
+  auto k = torch::empty({n, Hkv, d}, qkv.options());
+  auto v = torch::empty({n, Hkv, d}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    const float* row = src + i * (H + 2 * Hkv) * d;
+    const float* c = cos.data_ptr<float>() + i * d;
+    const float* s = sin.data_ptr<float>() + i * d;
+    for (int64_t h = 0; h < H + Hkv; ++h) {
+      float* out = h < H ? q.data_ptr<float>() + (i * H + h) * d : k.data_ptr<float>() + (i * Hkv + h - H) * d;
+      const bool norm = h < H ? qn : kn;
+      if (norm) rms_norm_row(row + h * d, (h < H ? q_scale : k_scale).data_ptr<float>(), static_cast<float>(eps), d, out);
+      else std::copy(row + h * d, row + (h + 1) * d, out);
+      rotate_row(out, c, s, d);
+    }
+    std::copy(row + (H + Hkv) * d, row + (H + 2 * Hkv) * d, v.data_ptr<float>() + i * Hkv * d);
+  }
+  return {q, k, v};
+}
+
+// Writes the new keys and values k, v [n, H_kv, d] into layer `layer` of the cache kv [layers, 2, H_kv, C, d]
+// at slots write .. write + n - 1, then attends: q [n, H, d] over slots 0 .. keys - 1, query i seeing the
+// slots where the additive mask's row i ([n or g n, >= keys], rows j n + i alike for the g heads of a KV
+// group; one row [1, >= keys] for every query) is finite, every slot where `mask` is empty. Scores are q.k * scale, soft-capped (tanh(s / c) c)
+// where softcap > 0, plus the mask. -> [n, H d].
+torch::Tensor attend_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor kv, int64_t layer,
+                           int64_t write, int64_t keys, torch::Tensor mask, double scale, double softcap) {
+  check_f32(q, "q");
+  check_f32(k, "k");
+  check_f32(v, "v");
+  check_f32(kv, "kv");
+  const int64_t n = q.size(0), H = q.size(1), d = q.size(2);
+  const int64_t Hkv = kv.size(2), C = kv.size(3), g = H / Hkv;
+  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.size(4) == d && H % Hkv == 0, "kv must be [layers, 2, H_kv, C, d]");
+  TORCH_CHECK(k.size(0) == n && k.size(1) == Hkv && k.size(2) == d && v.sizes() == k.sizes(), "k, v must be [n, H_kv, d]");
+  TORCH_CHECK(layer >= 0 && layer < kv.size(0) && write >= 0 && write + n <= C && keys >= 0 && keys <= C,
+              "cache slots out of range");
+  const bool masked = mask.numel() > 0;
+  if (masked) {
+    check_f32(mask, "mask");
+    TORCH_CHECK(mask.dim() == 2 && (mask.size(0) == 1 || mask.size(0) == n || mask.size(0) == g * n) &&
+                    mask.size(1) >= keys,
+                "mask must be [1, n or g n, >= keys]");
+  }
+  float* K = kv.data_ptr<float>() + layer * 2 * Hkv * C * d;
+  float* V = K + Hkv * C * d;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < Hkv; ++j) {
+      std::copy(k.data_ptr<float>() + (i * Hkv + j) * d, k.data_ptr<float>() + (i * Hkv + j + 1) * d, K + (j * C + write + i) * d);
+      std::copy(v.data_ptr<float>() + (i * Hkv + j) * d, v.data_ptr<float>() + (i * Hkv + j + 1) * d, V + (j * C + write + i) * d);
+    }
+  auto mask_row = [&](int64_t i) { return mask.data_ptr<float>() + (mask.size(0) == 1 ? 0 : i) * mask.size(1); };
+  // each query's visible slots, in slot order
+  std::vector<std::vector<int32_t>> visible(n);
+  int64_t most = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    auto& vis = visible[i];
+    vis.reserve(keys);
+    const float* m = masked ? mask_row(i) : nullptr;
+    for (int64_t t = 0; t < keys; ++t)
+      if (!m || m[t] > -std::numeric_limits<float>::infinity()) vis.push_back(static_cast<int32_t>(t));
+    most = std::max<int64_t>(most, static_cast<int64_t>(vis.size()));
+  }
+  auto out = torch::zeros({n, H * d}, q.options());
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  const int64_t padded = (most + VW - 1) / VW * VW;
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, most * d));
+  at::parallel_for(0, n * H, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(std::max<int64_t>(padded, 1));
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / H, h = item % H, j = h / g;
+      const auto& vis = visible[i];
+      const int64_t T = static_cast<int64_t>(vis.size());
+      if (T == 0) continue;  // no visible key: zeros (a padding row)
+      const float* qh = q.data_ptr<float>() + (i * H + h) * d;
+      const float* m = masked ? mask_row(i) : nullptr;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t t = 0; t < T; ++t) {
+        float x = dot(qh, K + (j * C + vis[t]) * d, d) * sc;
+        if (cap > 0.0f) x = std::tanh(x / cap) * cap;
+        if (m) x += m[vis[t]];
+        s[t] = x;
+        top = std::max(top, x);
+      }
+      const int64_t Tp = (T + VW - 1) / VW * VW;
+      std::fill(s.begin() + T, s.begin() + Tp, -std::numeric_limits<float>::infinity());
+      const float total = exp_sum(s.data(), Tp, top);
+      float* o = out.data_ptr<float>() + i * H * d + h * d;
+      for (int64_t t = 0; t < T; ++t) axpy(s[t], V + (j * C + vis[t]) * d, o, d);
+      const float inv = 1.0f / total;
+      for (int64_t e = 0; e < d; ++e) o[e] *= inv;
+    }
+  });
+  return out;
+}
+
+void register_layer_ops(pybind11::module& m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
+  m.def("add_rms_norm", &add_rms_norm, "residual add (with an optional norm of the addend) and the next norm");
+  m.def("rope_qkv", &rope_qkv, "split a fused QKV output, per-head q/k norms, rotary embedding");
+  m.def("attend_cache", &attend_cache, "write new keys/values into a static cache and attend over it");
+}
