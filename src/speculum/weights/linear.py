@@ -42,7 +42,10 @@ class QuantizedLinear:
         """Bytes of the weight a product reads."""
         return self.weight.nbytes
 
-    def __call__(self, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, min_rows: int = 1, act8: bool = False) -> torch.Tensor:
+        """``x [..., in]`` -> ``[..., out]``; ``act8``: round the activations to 8 bits per block of 32
+        and multiply in integers (llama.cpp's scheme; a product within ``d/2 * sum|w|`` per block of the
+        float one, ``d`` the block's activation scale), where the kernels run."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self._kernels is None:
@@ -53,7 +56,8 @@ class QuantizedLinear:
             y = F.linear(x2.float(), self.weight.dequantize())
         else:
             w = self.weight
-            y = self._kernels.qlinear(x2, w.codes, w.scales, self._offsets, w.block, w.layout == "u4")
+            product = self._kernels.qlinear8 if act8 else self._kernels.qlinear
+            y = product(x2, w.codes, w.scales, self._offsets, w.block, w.layout == "u4")
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
