@@ -3,7 +3,9 @@ lossless speculative decoding on quantized tiny models (the packaged models: tes
 
 The kernels keep activations in float32 and decode the weights to float32 in registers, so a product
 equals the float product of the dequantized weights up to float32 rounding, which the tests bound by
-``1e-5 * sum |x| |w|`` per output.
+``1e-5 * sum |x| |w|`` per output; the opt-in 8-bit-activation kernels are bounded by their rounding.
+The compiled layer ops (norms, rotary, attention) compute every row alone, which the tests check on
+whole forwards: a token's logits are the same bits in one-token steps, chains and tree branches.
 """
 
 from __future__ import annotations
@@ -87,6 +89,33 @@ def test_kernels_bound_and_row_independence(arch):
             err = (full - x @ w.T).abs()
             assert (err <= _bound(x, w)).all(), (arch, fmt, R, K, (err - _bound(x, w)).max())
             for n in ROWS:  # a row's result does not depend on the other rows of the call
+                for start in (0, max(ROWS) - n):
+                    assert torch.equal(run(x[start:start + n]), full[start:start + n]), (arch, fmt, R, n)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_8bit_activation_kernels_bound_and_row_independence(arch):
+    """``qlinear8`` rounds each row's activations to 8 bits per block of 32 (scale ``d = max|x| / 127``):
+    its error is at most ``d / 2 * sum |w|`` per block (plus float rounding), and rows stay independent."""
+    k = load_kernels(arch)
+    torch.manual_seed(1)
+    for fmt in GGUF_FORMATS:
+        for R in (1, 5, 37):
+            K = _cols(fmt) if fmt.endswith("_K") else (32 if R == 5 else 96)
+            qw = random_gguf(fmt, R, K, seed=R)[1]
+            w = qw.dequantize()
+            x = torch.randn(max(ROWS), K) * torch.rand(1, K) * 3
+            off = qw.offsets if qw.offsets is not None else torch.empty(0)
+            def run(rows, qw=qw, off=off):
+                return k.qlinear8(rows, qw.codes, qw.scales, off, qw.block, qw.layout == "u4")
+
+            full = run(x)
+            d = x.view(x.shape[0], -1, 32).abs().amax(-1) / 127  # [n, K/32]
+            bound = (d / 2) @ w.abs().view(R, -1, 32).sum(-1).T + _bound(x, w)
+            err = (full - x @ w.T).abs()
+            assert (err <= bound).all(), (arch, fmt, R, (err - bound).max())
+            assert (err > _bound(x, w)).any(), (arch, fmt, R)  # it does round: not the float product
+            for n in ROWS:
                 for start in (0, max(ROWS) - n):
                     assert torch.equal(run(x[start:start + n]), full[start:start + n]), (arch, fmt, R, n)
 
@@ -220,8 +249,8 @@ def test_layer_ops_match_torch(arch):
             assert torch.allclose(got, want, atol=1e-5), (softcap, mask is None, (got - want).abs().max())
 
 
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
-def test_quantized_forward_is_row_invariant(kind):
+@pytest.mark.parametrize("kind,act8", [("llama", False), ("gemma3", False), ("llama", True)])
+def test_quantized_forward_is_row_invariant(kind, act8):
     """On quantized weights every row of a step is computed alone: a token's logits are the same bits
     whether one-token steps, a chain or a tree's branch computed them (what keeps speculative output
     equal to plain decoding's whatever the rounding)."""
@@ -229,6 +258,7 @@ def test_quantized_forward_is_row_invariant(kind):
 
     runner = NativeRunner(_quantized_tiny(kind, "int4"))
     assert runner.decoder.ops is not None
+    runner.decoder.act8 = act8  # SPECULUM_ACT8=1
     prompt, root, toks = list(range(3, 23)), 7, [11, 5, 40, 9, 33]
     cache = runner.new_cache(128)
     runner.prefill(cache, prompt)
