@@ -155,6 +155,15 @@ def test_sizer_counts_the_rows_after_the_root():
     assert len(TreeSizer(cost).select(tree, 64)) < plain
 
 
+def test_sizer_keeps_parents_of_kept_nodes():
+    """A child whose score rounds above its parent's is kept only with the parent."""
+    cost = CostModel([1, 4, 8], [64], [[0.010, 0.0101, 0.040]])  # 3 nodes + the root: flat; 5 rows: dear
+    tree = DraftTree.chain([5] * 5)
+    tree.scores = [0.9166666666666666, 0.9166666666666665, 0.8333333333333331, 0.8333333333333333, 0.75]
+    kept = TreeSizer(cost).select(tree, 64)
+    assert 0 < len(kept) < 5 and kept.parents == list(range(-1, len(kept) - 1))
+
+
 def test_lookahead_refuses_bad_options():
     model = tiny_llama()
     for bad in ({"window": 1}, {"ngram": 2}, {"guesses": 0}):

@@ -143,9 +143,14 @@ class TreeSizer:
         if tree.scores is None or len(tree) == 0:
             return tree
         depth = tree.depths()
-        order = sorted(range(len(tree)), key=lambda i: (-tree.scores[i], depth[i], i))
+        # a node's score capped by its ancestors' (nodes come parents first): a child whose score rounds
+        # above its parent's must not be kept without it
+        score: list[float] = []
+        for i, p in enumerate(tree.parents):
+            score.append(tree.scores[i] if p < 0 else min(tree.scores[i], score[p]))
+        order = sorted(range(len(tree)), key=lambda i: (-score[i], depth[i], i))
         fixed = 0 if tree.prompts is None else sum(a < 0 for a in tree.prompts.anchors)
-        n = best_size([tree.scores[i] for i in order], self.cost, context, self.overhead_s, fixed)
+        n = best_size([score[i] for i in order], self.cost, context, self.overhead_s, fixed)
         if n == len(tree):
             return tree
         return tree.subtree(sorted(order[:n]))

@@ -121,40 +121,68 @@ class TargetTables:
     head: torch.Tensor
     vocab: torch.Tensor | None
     softcap: float | None
+    quantized: object = None  # the target's quantized LM head rows, which drafting then runs
+    quantized_embed: object = None  # the target's quantized embedding table, rows dequantized as looked up
 
     def __post_init__(self):
         from ..runners.packed import packed_linear
 
-        # for drafting (no gradient): the head's rows prepacked for oneDNN where that applies
-        self.packed = packed_linear(self.head) if not self.head.requires_grad else None
+        # for drafting (no gradient): the head's rows prepacked for oneDNN where that applies (a quantized
+        # head runs on its kernels instead of a packed float copy)
+        self.packed = (packed_linear(self.head) if not self.head.requires_grad and self.quantized is None
+                       else None)
 
     @classmethod
-    def of(cls, model, draft_vocab: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> TargetTables:
+    def of(cls, model, draft_vocab: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+           drafting: bool = False) -> TargetTables:
         """The tables of a transformers causal LM ``model`` (its embedding and LM head, which the native
-        runner leaves in place), trimmed to ``draft_vocab`` when given."""
-        from ..weights import float_weight
+        runner leaves in place), trimmed to ``draft_vocab`` when given. ``drafting`` (no training):
+        where the model's head is quantized and ``dtype`` float32, the draft logits run on its
+        quantized rows and embeddings are looked up in its quantized table, and ``head`` (and, for a
+        quantized table, ``embed``) is left empty (``[0, D]``) instead of a float copy."""
+        from ..weights import float_weight, quantized_head, quantized_of
 
         embed_module = model.get_input_embeddings()
-        embed = float_weight(model, "model.embed_tokens.weight")  # dequantized where the model is quantized
+        qhead = quantized_head(model) if drafting and dtype == torch.float32 else None
+        qembed = quantized_of(model).get("model.embed_tokens.weight") if qhead is not None else None
+        if qembed is not None:  # no float copy: rows dequantized as they are looked up
+            from ..weights import QuantizedEmbedding
+
+            qembed = QuantizedEmbedding(qembed)
+            embed = torch.empty(0, qembed.embedding_dim)
+        else:
+            embed = float_weight(model, "model.embed_tokens.weight")  # dequantized where the model is quantized
         dtype = dtype or embed.dtype
         scale = getattr(embed_module, "embed_scale", None)
         scale = float(scale) if scale is not None else None
-        head = float_weight(model, "lm_head.weight")
-        if draft_vocab is not None:
-            draft_vocab = draft_vocab.to(head.device)  # indexed by drafted ids on the model's device
-            head = head.index_select(0, draft_vocab)
+        quantized = None
+        if qhead is not None:
+            from ..weights import QuantizedLinear
+
+            quantized = QuantizedLinear(qhead if draft_vocab is None else qhead.rows(draft_vocab.to(torch.int64)))
+            head = embed.new_empty(0, embed.shape[1])
+        else:
+            head = float_weight(model, "lm_head.weight")
+            if draft_vocab is not None:
+                draft_vocab = draft_vocab.to(head.device)  # indexed by drafted ids on the model's device
+                head = head.index_select(0, draft_vocab)
         cfg = model.config.get_text_config()
         return cls(embed.to(dtype), scale, head.to(dtype).contiguous(), draft_vocab,
-                   getattr(cfg, "final_logit_softcapping", None))
+                   getattr(cfg, "final_logit_softcapping", None), quantized, qembed)
 
     def embeds(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [...]`` -> ``[..., D]``."""
-        e = torch.nn.functional.embedding(ids, self.embed)
+        if self.quantized_embed is not None:
+            e = self.quantized_embed(ids).to(self.embed.dtype)
+        else:
+            e = torch.nn.functional.embedding(ids, self.embed)
         return e * self.embed_scale if self.embed_scale is not None else e
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Predicted features ``[..., D]`` -> draft-vocabulary logits ``[..., K]``."""
-        if self.packed is not None and not torch.is_grad_enabled():
+        if self.quantized is not None and not torch.is_grad_enabled():
+            out = self.quantized(feats.float()).to(feats.dtype)
+        elif self.packed is not None and not torch.is_grad_enabled():
             out = self.packed(feats)
         else:
             out = feats @ self.head.T
@@ -278,10 +306,10 @@ def head_for_target(target: torch.nn.Module, kind: str, files: HeadFiles,
 
         dtype = model_dtype(target)
         head = loaded.module.to(dtype).to(model_device(target)).freeze()
-        per_target[key] = head, TargetTables.of(target, loaded.draft_vocab, dtype)
+        per_target[key] = head, TargetTables.of(target, loaded.draft_vocab, dtype, drafting=True)
     head, tables = per_target[key]
     if full_vocab and tables.vocab is not None:
         if (key, "full") not in per_target:
-            per_target[key, "full"] = TargetTables.of(target, None, tables.embed.dtype)
+            per_target[key, "full"] = TargetTables.of(target, None, tables.embed.dtype, drafting=True)
         tables = per_target[key, "full"]
     return head, tables, path

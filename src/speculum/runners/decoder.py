@@ -229,6 +229,14 @@ class NativeDecoder:
         products = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [head]
         self.act8 = (self.ops is not None and not any(isinstance(m, Linear) for m in products)
                      and os.environ.get("SPECULUM_ACT8", "0") == "1")
+        # what the step's cost depends on beyond the configuration (the calibration key's part): the
+        # quantized kernels' build (their source and this CPU) and options
+        self.kernel_variant = ""
+        if quantized_layers:
+            from ..weights.build import build_key, target_arch
+
+            self.kernel_variant = (f" kernels={build_key(target_arch())}" + (" act8" if self.act8 else "")
+                                   + ("" if self.ops is not None else " torch-ops"))
         self.layout = AttentionLayout(
             layers=shape.layers, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
             scale=shape.attn_scale, softcap=shape.attn_softcap, window=shape.sliding_window,
@@ -428,7 +436,7 @@ class NativeDecoder:
     def layer_forward(self, i: int, layer: Layer, h: torch.Tensor, rope: dict, attend,
                       floors: RowFloors = NO_FLOORS, act8: bool = False) -> torch.Tensor:
         """One decoder layer on ``h [n, D]``; ``attend``, ``floors`` and ``act8`` as in :meth:`forward_with`."""
-        if self.ops is not None:
+        if self.ops is not None and isinstance(layer.input_norm, RMSNorm):  # (a draft's layers: its own norms)
             return self._layer_ops_forward(i, layer, h, rope, attend, act8)
         s = self.shape
         n = h.shape[0]

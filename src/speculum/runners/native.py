@@ -70,7 +70,7 @@ class NativeRunner(RunnerBase):
         """Set up how verification steps run: eagerly, padded, or as CUDA graphs (see ``__init__``),
         and the ``variant`` string that names it in the calibration key."""
         s = self.shape
-        self.variant = "fused" if self.decoder.fused else "exact"
+        self.variant = ("fused" if self.decoder.fused else "exact") + self.decoder.kernel_variant
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and os.environ.get("SPECULUM_CUDA_GRAPHS", "1") != "0"
         if fixed_rows is not None and fixed_rows < 1:

@@ -15,6 +15,8 @@ runner only.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .formats import QuantWeight, cat_rows
@@ -85,17 +87,41 @@ def embedder(model):
     return lambda ids: table(ids).to(dtype) * (scale.to(dtype) if scale is not None else 1)
 
 
+_DENSE: dict[int, torch.Tensor] = {}  # id(QuantWeight) -> its dequantized values, while it lives
+
+
+def dense(weight: QuantWeight) -> torch.Tensor:
+    """``weight`` dequantized to float32, once: every caller gets the same tensor (read-only by
+    convention), freed with the weight."""
+    key = id(weight)
+    out = _DENSE.get(key)
+    if out is None:
+        out = _DENSE[key] = weight.dequantize()
+        weakref.finalize(weight, _DENSE.pop, key, None)
+    return out
+
+
+def quantized_head(model) -> QuantWeight | None:
+    """The LM head's quantized matrix (the embedding's where they are tied), or None."""
+    quant = quantized_of(model)
+    if "lm_head.weight" in quant:
+        return quant["lm_head.weight"]
+    if model.get_output_embeddings().weight.device.type == "meta":
+        return quant.get("model.embed_tokens.weight")  # tied
+    return None
+
+
 def float_weight(model, name: str) -> torch.Tensor:
     """A parameter of ``model`` as a float tensor: itself, or its quantized matrix dequantized
-    (float32), for code that needs the values (a learned head's tables)."""
+    (float32; one shared copy, :func:`dense`), for code that needs the values (a learned head's tables)."""
     quant = quantized_of(model)
     if name in quant:
-        return quant[name].dequantize()
+        return dense(quant[name])
     tensor = model.get_parameter(name)
     if tensor.device.type == "meta" and name == "lm_head.weight" and "model.embed_tokens.weight" in quant:
-        return quant["model.embed_tokens.weight"].dequantize()  # tied
+        return dense(quant["model.embed_tokens.weight"])  # tied
     return tensor.detach()
 
 
-__all__ = ["QuantWeight", "QuantizedEmbedding", "QuantizedLinear", "StackedLinear", "embedder",
-           "float_weight", "model_device", "model_dtype", "quantized_linear", "quantized_of"]
+__all__ = ["QuantWeight", "QuantizedEmbedding", "QuantizedLinear", "StackedLinear", "dense", "embedder",
+           "float_weight", "model_device", "model_dtype", "quantized_head", "quantized_linear", "quantized_of"]
