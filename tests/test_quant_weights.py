@@ -139,6 +139,8 @@ def test_dequant_rows_is_the_embedding():
         off = qw.offsets if qw.offsets is not None else torch.empty(0)
         got = k.dequant_rows(ids, qw.codes, qw.scales, off, qw.block, qw.layout == "u4")
         assert torch.equal(got, qw.dequantize(ids)), fmt
+        whole = k.dequantize(qw.codes, qw.scales, off, qw.block, qw.layout == "u4")  # (a prompt's GEMM operand)
+        assert torch.allclose(whole, qw.dequantize(), rtol=1e-6, atol=1e-6 * qw.dequantize().abs().max()), fmt
 
 
 def _quantized_tiny(kind: str, fmt: str):

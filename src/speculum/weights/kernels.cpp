@@ -526,6 +526,46 @@ torch::Tensor dequant_rows(torch::Tensor ids, torch::Tensor wq, torch::Tensor sc
   return out;
 }
 
+// The whole weight dequantized: [R, K] float32 (w = scale * q + offset per block, rounded as the products'
+// fused multiply-add rounds it), rows split over threads; a long prompt chunk's products then run as one
+// float GEMM.
+torch::Tensor dequantize(torch::Tensor wq, torch::Tensor scales, torch::Tensor offsets, int64_t bs, bool u4) {
+  TORCH_CHECK(wq.is_contiguous() && scales.is_contiguous(), "codes and scales must be contiguous");
+  const int64_t R = scales.size(0), K = scales.size(1) * bs, nb = K / 32;
+  auto out = torch::empty({R, K}, torch::TensorOptions().dtype(torch::kFloat32));
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(wq.data_ptr());
+  float* y = out.data_ptr<float>();
+  auto body = [&](auto sp, auto op) {
+    at::parallel_for(0, R, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, K)), [&](int64_t begin, int64_t end) {
+      for (int64_t o = begin; o < end; ++o)
+        for (int64_t c = 0; c < nb; ++c) {
+          float* row = y + o * K + c * 32;
+          if (u4) {
+            const uint8_t* b = w + o * (K / 2) + c * 16;
+            const float sc = to_float(sp[o * nb + c]), m = to_float(op[o * nb + c]);
+            for (int i = 0; i < 16; ++i) {
+              row[i] = std::fma(static_cast<float>(b[i] & 0x0F), sc, m);
+              row[i + 16] = std::fma(static_cast<float>(b[i] >> 4), sc, m);
+            }
+          } else {
+            const int8_t* b = reinterpret_cast<const int8_t*>(w) + o * K + c * 32;
+            for (int i = 0; i < 32; ++i)
+              row[i] = static_cast<float>(b[i]) * to_float(sp[o * (K / bs) + (c * 32 + i) / bs]);
+          }
+        }
+    });
+  };
+  if (scales.scalar_type() == torch::kFloat16) {
+    const auto* sp = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+    body(sp, u4 ? reinterpret_cast<const uint16_t*>(offsets.data_ptr()) : sp);
+  } else {
+    TORCH_CHECK(scales.scalar_type() == torch::kFloat32, "scales must be float16 or float32");
+    const float* sp = scales.data_ptr<float>();
+    body(sp, u4 ? offsets.data_ptr<float>() : sp);
+  }
+  return out;
+}
+
 // The instruction set this build's kernels use.
 std::string isa() {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -544,5 +584,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear", &qlinear, "x @ W^T on block-quantized W");
   m.def("qlinear8", &qlinear8, "x @ W^T on block-quantized W, x rounded to 8 bits per block of 32");
   m.def("dequant_rows", &dequant_rows, "rows of a block-quantized W, dequantized");
+  m.def("dequantize", &dequantize, "a block-quantized W, dequantized");
   m.def("isa", &isa, "instruction set of this build");
 }

@@ -53,7 +53,8 @@ class QuantizedLinear:
                 self._dense = self.weight.dequantize()
             y = F.linear(x2.float(), self._dense)
         elif x2.shape[0] >= GEMM_ROWS:
-            y = F.linear(x2.float(), self.weight.dequantize())
+            w = self.weight
+            y = F.linear(x2.float(), self._kernels.dequantize(w.codes, w.scales, self._offsets, w.block, w.layout == "u4"))
         else:
             w = self.weight
             product = self._kernels.qlinear8 if act8 else self._kernels.qlinear
