@@ -437,7 +437,7 @@ class NativeDecoder:
                       floors: RowFloors = NO_FLOORS, act8: bool = False) -> torch.Tensor:
         """One decoder layer on ``h [n, D]``; ``attend``, ``floors`` and ``act8`` as in :meth:`forward_with`."""
         if self.ops is not None and isinstance(layer.input_norm, RMSNorm):  # (a draft's layers: its own norms)
-            return self._layer_ops_forward(i, layer, h, rope, attend, act8)
+            return self._layer_ops_forward(i, layer, h, rope, attend, floors, act8)
         s = self.shape
         n = h.shape[0]
         cos, sin = rope["sliding_attention" if layer.sliding else "full_attention"]
@@ -462,26 +462,27 @@ class NativeDecoder:
         return h + (layer.post_mlp_norm(m) if layer.post_mlp_norm is not None else m)
 
     def _layer_ops_forward(self, i: int, layer: Layer, h: torch.Tensor, rope: dict, attend,
-                           act8: bool = False) -> torch.Tensor:
+                           floors: RowFloors = NO_FLOORS, act8: bool = False) -> torch.Tensor:
         """:meth:`layer_forward` on the compiled layer ops (quantized weights, float32): the norms with
-        their residual adds, and the q/k norms with the rotary embedding, each one call."""
+        their residual adds, and the q/k norms with the rotary embedding, each one call. (``floors``
+        pad only the float products a quantized model may keep: the quantized ones need none.)"""
         s, ops = self.shape, self.ops
         cos, sin = rope["sliding_attention" if layer.sliding else "full_attention"]
         norm = layer.input_norm
         x = ops.rms_norm(h.contiguous(), norm.scale32, norm.eps)
-        qkv = layer.qkv(x, act8=act8)
+        qkv = layer.qkv(x, floors.qkv, act8=act8)
         qn, kn = layer.q_norm, layer.k_norm
         q, k, v = ops.rope_qkv(qkv, cos, sin, s.heads, s.kv_heads, _EMPTY if qn is None else qn.scale32,
                                _EMPTY if kn is None else kn.scale32, 0.0 if qn is None else qn.eps)
-        a = layer.o(attend(i, layer, q, k, v), act8=act8)
+        a = layer.o(attend(i, layer, q, k, v), floors.o, act8=act8)
         if layer.pre_mlp_norm is not None:  # Gemma: norms on both sides of each block
             post, nxt = layer.post_attn_norm, layer.pre_mlp_norm
             h, x = ops.add_rms_norm(h, a, post.scale32, post.eps, nxt.scale32, nxt.eps)
         else:
             nxt = layer.post_attn_norm
             h, x = ops.add_rms_norm(h, a, _EMPTY, 0.0, nxt.scale32, nxt.eps)
-        gate, up = layer.gate_up(x, act8=act8).chunk(2, dim=-1)
-        m = layer.down(self.act(gate) * up, act8=act8)
+        gate, up = layer.gate_up(x, floors.gate_up, act8=act8).chunk(2, dim=-1)
+        m = layer.down(self.act(gate) * up, floors.down, act8=act8)
         post = layer.post_mlp_norm
         h, _ = ops.add_rms_norm(h, m, _EMPTY if post is None else post.scale32, 0.0 if post is None else post.eps,
                                 _EMPTY, 0.0)
