@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -202,38 +203,49 @@ void tile_dot(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wo, int
 
 #endif
 
-// tile_dot with the activation-row count (1 .. MAXM) as a constant, so the accumulators stay in registers
-template <bool U4, typename S, int W, int MAXM, typename... A>
-inline void tile_rows(int64_t nt, A... args) {
-  if constexpr (MAXM >= 8) if (nt >= 8) return tile_dot<U4, S, W, 8>(args...);
-  if constexpr (MAXM >= 7) if (nt == 7) return tile_dot<U4, S, W, 7>(args...);
-  if constexpr (MAXM >= 6) if (nt == 6) return tile_dot<U4, S, W, 6>(args...);
-  if constexpr (MAXM >= 5) if (nt == 5) return tile_dot<U4, S, W, 5>(args...);
-  if constexpr (MAXM >= 4) if (nt == 4) return tile_dot<U4, S, W, 4>(args...);
-  if constexpr (MAXM >= 3) if (nt == 3) return tile_dot<U4, S, W, 3>(args...);
-  if constexpr (MAXM >= 2) if (nt == 2) return tile_dot<U4, S, W, 2>(args...);
-  tile_dot<U4, S, W, 1>(args...);
+// f(m) with the activation-row count m = min(nt, M) as a compile-time constant (std::integral_constant),
+// so a tile's accumulators stay in registers
+template <int M, typename F>
+inline void with_rows(int64_t nt, F&& f) {
+  if constexpr (M >= 8) if (nt >= 8) return f(std::integral_constant<int, 8>{});
+  if constexpr (M >= 7) if (nt == 7) return f(std::integral_constant<int, 7>{});
+  if constexpr (M >= 6) if (nt == 6) return f(std::integral_constant<int, 6>{});
+  if constexpr (M >= 5) if (nt == 5) return f(std::integral_constant<int, 5>{});
+  if constexpr (M >= 4) if (nt == 4) return f(std::integral_constant<int, 4>{});
+  if constexpr (M >= 3) if (nt == 3) return f(std::integral_constant<int, 3>{});
+  if constexpr (M >= 2) if (nt == 2) return f(std::integral_constant<int, 2>{});
+  f(std::integral_constant<int, 1>{});
+}
+
+// Runs tile(w, m, r0, o0) over an [n, K] x [R, K]^T product: weight rows in tiles of W (the last ones one
+// at a time), activation rows in groups of up to M; w and m are integral constants. Threads split the
+// weight tiles, each task getting enough work to pay for waking a thread.
+template <int W, int M, typename Tile>
+void schedule(int64_t n, int64_t K, int64_t R, Tile&& tile) {
+  const int64_t tiles = (R + W - 1) / W;
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, K * n * W));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t o0 = t * W;
+      for (int64_t r0 = 0; r0 < n; r0 += M) {
+        const int64_t nt = std::min<int64_t>(M, n - r0);
+        if (o0 + W <= R) {
+          with_rows<M>(nt, [&](auto m) { tile(std::integral_constant<int, W>{}, m, r0, o0); });
+        } else {
+          for (int64_t o = o0; o < R; ++o)
+            with_rows<M>(nt, [&](auto m) { tile(std::integral_constant<int, 1>{}, m, r0, o); });
+        }
+      }
+    }
+  });
 }
 
 template <bool U4, typename S, int W, int M>
 void run_tiles(const float* X, int64_t n, int64_t K, const uint8_t* wq, const S* ws, const S* woff,
                int64_t bs, int64_t R, float* y) {
   const int64_t row_bytes = U4 ? K / 2 : K;
-  // threads split the weight rows, in whole tiles; each task gets enough work to pay for waking a thread
-  const int64_t tiles = (R + W - 1) / W;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, K * n * W));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t o0 = tile * W;
-      for (int64_t r0 = 0; r0 < n; r0 += M) {
-        const int64_t nt = std::min<int64_t>(M, n - r0);
-        if (o0 + W <= R) {
-          tile_rows<U4, S, W, M>(nt, wq, row_bytes, ws, woff, bs, X, K, r0, y, R, o0);
-        } else {
-          for (int64_t o = o0; o < R; ++o) tile_rows<U4, S, 1, M>(nt, wq, row_bytes, ws, woff, bs, X, K, r0, y, R, o);
-        }
-      }
-    }
+  schedule<W, M>(n, K, R, [&](auto w, auto m, int64_t r0, int64_t o0) {
+    tile_dot<U4, S, decltype(w)::value, decltype(m)::value>(wq, row_bytes, ws, woff, bs, X, K, r0, y, R, o0);
   });
 }
 
@@ -385,37 +397,12 @@ void tile_dot8(const uint8_t* w, int64_t row_bytes, const S* ws, const S* wo, in
 
 #endif
 
-template <bool U4, typename S, int W, int MAXM, typename... A>
-inline void tile_rows8(int64_t nt, A... args) {
-  if constexpr (MAXM >= 8) if (nt >= 8) return tile_dot8<U4, S, W, 8>(args...);
-  if constexpr (MAXM >= 7) if (nt == 7) return tile_dot8<U4, S, W, 7>(args...);
-  if constexpr (MAXM >= 6) if (nt == 6) return tile_dot8<U4, S, W, 6>(args...);
-  if constexpr (MAXM >= 5) if (nt == 5) return tile_dot8<U4, S, W, 5>(args...);
-  if constexpr (MAXM >= 4) if (nt == 4) return tile_dot8<U4, S, W, 4>(args...);
-  if constexpr (MAXM >= 3) if (nt == 3) return tile_dot8<U4, S, W, 3>(args...);
-  if constexpr (MAXM >= 2) if (nt == 2) return tile_dot8<U4, S, W, 2>(args...);
-  tile_dot8<U4, S, W, 1>(args...);
-}
-
 template <bool U4, typename S, int W, int M>
 void run_tiles8(const int8_t* xq, const float* xd, const float* xs, int64_t n, int64_t K, const uint8_t* wq,
                 const S* ws, const S* woff, int64_t bs, int64_t R, float* y) {
   const int64_t row_bytes = U4 ? K / 2 : K;
-  const int64_t tiles = (R + W - 1) / W;
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, K * n * W));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t o0 = tile * W;
-      for (int64_t r0 = 0; r0 < n; r0 += M) {
-        const int64_t nt = std::min<int64_t>(M, n - r0);
-        if (o0 + W <= R) {
-          tile_rows8<U4, S, W, M>(nt, wq, row_bytes, ws, woff, bs, xq, xd, xs, K, r0, y, R, o0);
-        } else {
-          for (int64_t o = o0; o < R; ++o)
-            tile_rows8<U4, S, 1, M>(nt, wq, row_bytes, ws, woff, bs, xq, xd, xs, K, r0, y, R, o);
-        }
-      }
-    }
+  schedule<W, M>(n, K, R, [&](auto w, auto m, int64_t r0, int64_t o0) {
+    tile_dot8<U4, S, decltype(w)::value, decltype(m)::value>(wq, row_bytes, ws, woff, bs, xq, xd, xs, K, r0, y, R, o0);
   });
 }
 
@@ -426,71 +413,66 @@ void run_rows8(const int8_t* xq, const float* xd, const float* xs, int64_t n, in
   else run_tiles8<U4, S, Q8_WIDE_W, Q8_WIDE_M>(xq, xd, xs, n, K, wq, ws, woff, bs, R, y);
 }
 
+
+// Checks a product's operands (x made float32 and contiguous), then calls run(u4, scales, offsets, y) with
+// u4 a std::bool_constant and the scales' and offsets' element type (uint16_t for float16, or float).
+template <typename Run>
+torch::Tensor product(torch::Tensor& x, const torch::Tensor& wq, const torch::Tensor& scales,
+                      const torch::Tensor& offsets, int64_t bs, bool u4, Run&& run) {
+  TORCH_CHECK(x.dim() == 2, "x must be [n, K]");
+  TORCH_CHECK(bs == 32 || (bs == 16 && !u4), "block size 32 (or 16 for s8 codes)");
+  x = x.to(torch::kFloat32).contiguous();
+  const int64_t n = x.size(0), K = x.size(1), R = scales.size(0);
+  TORCH_CHECK(K % QB == 0, "the input width must be a multiple of 32");
+  TORCH_CHECK(wq.is_contiguous() && scales.is_contiguous(), "codes and scales must be contiguous");
+  TORCH_CHECK(wq.size(0) == R && wq.size(1) == (u4 ? K / 2 : K) && scales.size(1) == K / bs, "shapes disagree");
+  auto y = torch::empty({n, R}, x.options());
+  if (n == 0 || R == 0) return y;
+  float* Y = y.data_ptr<float>();
+  auto typed = [&](const auto* s, const auto* o) {
+    if (u4) run(std::true_type{}, s, o, Y);
+    else run(std::false_type{}, s, o, Y);
+  };
+  if (scales.scalar_type() == torch::kFloat16) {
+    const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+    typed(s, u4 ? reinterpret_cast<const uint16_t*>(offsets.data_ptr()) : s);
+  } else {
+    TORCH_CHECK(scales.scalar_type() == torch::kFloat32, "scales must be float16 or float32");
+    const float* s = scales.data_ptr<float>();
+    typed(s, u4 ? offsets.data_ptr<float>() : s);
+  }
+  return y;
+}
+
+template <typename P>
+using elem_t = std::remove_cv_t<std::remove_pointer_t<P>>;
+
 }  // namespace
 
 // y [n, R] float32 = x [n, K] @ W^T for W given as codes `wq` ([R, K/2] uint8 for u4, [R, K] int8 for s8),
 // `scales` [R, K/bs] (float16 or float32) and, for u4, `offsets` [R, K/32] of the scales' dtype.
 torch::Tensor qlinear(torch::Tensor x, torch::Tensor wq, torch::Tensor scales, torch::Tensor offsets, int64_t bs,
                       bool u4) {
-  TORCH_CHECK(x.dim() == 2, "x must be [n, K]");
-  TORCH_CHECK(bs == 32 || (bs == 16 && !u4), "block size 32 (or 16 for s8 codes)");
-  x = x.to(torch::kFloat32).contiguous();
-  const int64_t n = x.size(0), K = x.size(1), R = scales.size(0);
-  TORCH_CHECK(K % QB == 0, "the input width must be a multiple of 32");
-  TORCH_CHECK(wq.is_contiguous() && scales.is_contiguous(), "codes and scales must be contiguous");
-  TORCH_CHECK(wq.size(0) == R && wq.size(1) == (u4 ? K / 2 : K) && scales.size(1) == K / bs, "shapes disagree");
-  auto y = torch::empty({n, R}, x.options());
-  if (n == 0 || R == 0) return y;
-  const float* X = x.data_ptr<float>();
   const uint8_t* w = reinterpret_cast<const uint8_t*>(wq.data_ptr());
-  if (scales.scalar_type() == torch::kFloat16) {
-    const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-    const auto* o = u4 ? reinterpret_cast<const uint16_t*>(offsets.data_ptr()) : nullptr;
-    if (u4) run_rows<true, uint16_t>(X, n, K, w, s, o, bs, R, y.data_ptr<float>());
-    else run_rows<false, uint16_t>(X, n, K, w, s, o, bs, R, y.data_ptr<float>());
-  } else {
-    TORCH_CHECK(scales.scalar_type() == torch::kFloat32, "scales must be float16 or float32");
-    const float* s = scales.data_ptr<float>();
-    const float* o = u4 ? offsets.data_ptr<float>() : nullptr;
-    if (u4) run_rows<true, float>(X, n, K, w, s, o, bs, R, y.data_ptr<float>());
-    else run_rows<false, float>(X, n, K, w, s, o, bs, R, y.data_ptr<float>());
-  }
-  return y;
+  return product(x, wq, scales, offsets, bs, u4, [&](auto u4c, const auto* s, const auto* o, float* y) {
+    run_rows<decltype(u4c)::value, elem_t<decltype(s)>>(x.data_ptr<float>(), x.size(0), x.size(1), w, s, o, bs,
+                                                        scales.size(0), y);
+  });
 }
 
 // qlinear with the activations rounded to 8 bits per block of 32 (see quantize_rows): same arguments.
 torch::Tensor qlinear8(torch::Tensor x, torch::Tensor wq, torch::Tensor scales, torch::Tensor offsets, int64_t bs,
                        bool u4) {
-  TORCH_CHECK(x.dim() == 2, "x must be [n, K]");
-  TORCH_CHECK(bs == 32 || (bs == 16 && !u4), "block size 32 (or 16 for s8 codes)");
-  x = x.to(torch::kFloat32).contiguous();
-  const int64_t n = x.size(0), K = x.size(1), R = scales.size(0);
-  TORCH_CHECK(K % QB == 0, "the input width must be a multiple of 32");
-  TORCH_CHECK(wq.is_contiguous() && scales.is_contiguous(), "codes and scales must be contiguous");
-  TORCH_CHECK(wq.size(0) == R && wq.size(1) == (u4 ? K / 2 : K) && scales.size(1) == K / bs, "shapes disagree");
-  auto y = torch::empty({n, R}, x.options());
-  if (n == 0 || R == 0) return y;
-  auto xq = torch::empty({n, K}, x.options().dtype(torch::kInt8));
-  auto xd = torch::empty({n, K / 32}, x.options());
-  auto xs = torch::empty({n, K / 32}, x.options());
-  quantize_rows(x.data_ptr<float>(), n, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
-  const int8_t* Q = xq.data_ptr<int8_t>();
-  const float* D = xd.data_ptr<float>();
-  const float* Sx = xs.data_ptr<float>();
   const uint8_t* w = reinterpret_cast<const uint8_t*>(wq.data_ptr());
-  if (scales.scalar_type() == torch::kFloat16) {
-    const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr());
-    const auto* o = u4 ? reinterpret_cast<const uint16_t*>(offsets.data_ptr()) : nullptr;
-    if (u4) run_rows8<true, uint16_t>(Q, D, Sx, n, K, w, s, o, bs, R, y.data_ptr<float>());
-    else run_rows8<false, uint16_t>(Q, D, Sx, n, K, w, s, o, bs, R, y.data_ptr<float>());
-  } else {
-    TORCH_CHECK(scales.scalar_type() == torch::kFloat32, "scales must be float16 or float32");
-    const float* s = scales.data_ptr<float>();
-    const float* o = u4 ? offsets.data_ptr<float>() : nullptr;
-    if (u4) run_rows8<true, float>(Q, D, Sx, n, K, w, s, o, bs, R, y.data_ptr<float>());
-    else run_rows8<false, float>(Q, D, Sx, n, K, w, s, o, bs, R, y.data_ptr<float>());
-  }
-  return y;
+  return product(x, wq, scales, offsets, bs, u4, [&](auto u4c, const auto* s, const auto* o, float* y) {
+    const int64_t n = x.size(0), K = x.size(1);
+    auto xq = torch::empty({n, K}, x.options().dtype(torch::kInt8));
+    auto xd = torch::empty({n, K / 32}, x.options());
+    auto xs = torch::empty({n, K / 32}, x.options());
+    quantize_rows(x.data_ptr<float>(), n, K, xq.data_ptr<int8_t>(), xd.data_ptr<float>(), xs.data_ptr<float>());
+    run_rows8<decltype(u4c)::value, elem_t<decltype(s)>>(xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                                                         xs.data_ptr<float>(), n, K, w, s, o, bs, scales.size(0), y);
+  });
 }
 
 // Rows `ids` [m] of the weight, dequantized: [m, K] float32 (an embedding lookup on quantized codes).
