@@ -71,53 +71,50 @@ def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 1e-5 * (x.abs() @ w.abs().T) + 1e-6
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_kernels_bound_and_row_independence(arch):
-    k = load_kernels(arch)
-    torch.manual_seed(0)
+def _product_cases(product, seed: int):
+    """For every format and a few weight shapes: ``(case, x [32, K], w [R, K] dequantized, run)``, ``run``
+    the kernel ``product`` (``qlinear`` or ``qlinear8``) on rows of ``x``."""
+    torch.manual_seed(seed)
     for fmt in GGUF_FORMATS:
         for R in (1, 5, 37):
             K = _cols(fmt) if fmt.endswith("_K") else (32 if R == 5 else 96)
             qw = random_gguf(fmt, R, K, seed=R)[1]
-            w = qw.dequantize()
             x = torch.randn(max(ROWS), K) * torch.rand(1, K) * 3  # uneven magnitudes across blocks
             off = qw.offsets if qw.offsets is not None else torch.empty(0)
             def run(rows, qw=qw, off=off):
-                return k.qlinear(rows, qw.codes, qw.scales, off, qw.block, qw.layout == "u4")
+                return product(rows, qw.codes, qw.scales, off, qw.block, qw.layout == "u4")
 
-            full = run(x)
-            err = (full - x @ w.T).abs()
-            assert (err <= _bound(x, w)).all(), (arch, fmt, R, K, (err - _bound(x, w)).max())
-            for n in ROWS:  # a row's result does not depend on the other rows of the call
-                for start in (0, max(ROWS) - n):
-                    assert torch.equal(run(x[start:start + n]), full[start:start + n]), (arch, fmt, R, n)
+            yield (fmt, R, K), x, qw.dequantize(), run
+
+
+def _assert_rows_independent(run, x: torch.Tensor, full: torch.Tensor, case) -> None:
+    """A row's result does not depend on the other rows of the call."""
+    for n in ROWS:
+        for start in (0, max(ROWS) - n):
+            assert torch.equal(run(x[start:start + n]), full[start:start + n]), (case, n)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kernels_bound_and_row_independence(arch):
+    for case, x, w, run in _product_cases(load_kernels(arch).qlinear, 0):
+        full = run(x)
+        err = (full - x @ w.T).abs()
+        assert (err <= _bound(x, w)).all(), (arch, case, (err - _bound(x, w)).max())
+        _assert_rows_independent(run, x, full, (arch, case))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_8bit_activation_kernels_bound_and_row_independence(arch):
     """``qlinear8`` rounds each row's activations to 8 bits per block of 32 (scale ``d = max|x| / 127``):
     its error is at most ``d / 2 * sum |w|`` per block (plus float rounding), and rows stay independent."""
-    k = load_kernels(arch)
-    torch.manual_seed(1)
-    for fmt in GGUF_FORMATS:
-        for R in (1, 5, 37):
-            K = _cols(fmt) if fmt.endswith("_K") else (32 if R == 5 else 96)
-            qw = random_gguf(fmt, R, K, seed=R)[1]
-            w = qw.dequantize()
-            x = torch.randn(max(ROWS), K) * torch.rand(1, K) * 3
-            off = qw.offsets if qw.offsets is not None else torch.empty(0)
-            def run(rows, qw=qw, off=off):
-                return k.qlinear8(rows, qw.codes, qw.scales, off, qw.block, qw.layout == "u4")
-
-            full = run(x)
-            d = x.view(x.shape[0], -1, 32).abs().amax(-1) / 127  # [n, K/32]
-            bound = (d / 2) @ w.abs().view(R, -1, 32).sum(-1).T + _bound(x, w)
-            err = (full - x @ w.T).abs()
-            assert (err <= bound).all(), (arch, fmt, R, (err - bound).max())
-            assert (err > _bound(x, w)).any(), (arch, fmt, R)  # it does round: not the float product
-            for n in ROWS:
-                for start in (0, max(ROWS) - n):
-                    assert torch.equal(run(x[start:start + n]), full[start:start + n]), (arch, fmt, R, n)
+    for case, x, w, run in _product_cases(load_kernels(arch).qlinear8, 1):
+        full = run(x)
+        d = x.view(x.shape[0], -1, 32).abs().amax(-1) / 127  # [n, K/32]
+        bound = (d / 2) @ w.abs().view(w.shape[0], -1, 32).sum(-1).T + _bound(x, w)
+        err = (full - x @ w.T).abs()
+        assert (err <= bound).all(), (arch, case, (err - bound).max())
+        assert (err > _bound(x, w)).any(), (arch, case)  # it does round: not the float product
+        _assert_rows_independent(run, x, full, (arch, case))
 
 
 def test_kernels_exceed_the_bound_when_weights_are_wrong():

@@ -15,12 +15,10 @@ runner only.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from .formats import QuantWeight, cat_rows
-from .linear import QuantizedEmbedding, QuantizedLinear
+from .linear import QuantizedEmbedding, QuantizedLinear, dense
 
 
 class StackedLinear:
@@ -85,20 +83,6 @@ def embedder(model):
     scale = getattr(module, "embed_scale", None)
     dtype = model_dtype(model)
     return lambda ids: table(ids).to(dtype) * (scale.to(dtype) if scale is not None else 1)
-
-
-_DENSE: dict[int, torch.Tensor] = {}  # id(QuantWeight) -> its dequantized values, while it lives
-
-
-def dense(weight: QuantWeight) -> torch.Tensor:
-    """``weight`` dequantized to float32, once: every caller gets the same tensor (read-only by
-    convention), freed with the weight."""
-    key = id(weight)
-    out = _DENSE.get(key)
-    if out is None:
-        out = _DENSE[key] = weight.dequantize()
-        weakref.finalize(weight, _DENSE.pop, key, None)
-    return out
 
 
 def quantized_head(model) -> QuantWeight | None:

@@ -12,6 +12,8 @@ exact product of the same weights, rounded differently).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +27,20 @@ _EMPTY = torch.empty(0)
 GEMM_ROWS = 128
 
 
+_DENSE: dict[int, torch.Tensor] = {}  # id(QuantWeight) -> its dequantized values, while it lives
+
+
+def dense(weight: QuantWeight) -> torch.Tensor:
+    """``weight`` dequantized to float32, once: every caller gets the same tensor (read-only by
+    convention), freed with the weight."""
+    key = id(weight)
+    out = _DENSE.get(key)
+    if out is None:
+        out = _DENSE[key] = weight.dequantize()
+        weakref.finalize(weight, _DENSE.pop, key, None)
+    return out
+
+
 class QuantizedLinear:
     """``y = x W^T + b`` for a quantized ``W [out, in]``; ``x [n, in]`` -> ``[n, out]`` in ``x``'s dtype."""
 
@@ -34,7 +50,6 @@ class QuantizedLinear:
         self.dtype = torch.float32  # what the kernels compute in
         self.packed = None  # (the float Linear's attribute: no oneDNN copy here)
         self._kernels = kernels()
-        self._dense: torch.Tensor | None = None
         self._offsets = weight.offsets if weight.offsets is not None else _EMPTY
 
     @property
@@ -49,9 +64,7 @@ class QuantizedLinear:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self._kernels is None:
-            if self._dense is None:
-                self._dense = self.weight.dequantize()
-            y = F.linear(x2.float(), self._dense)
+            y = F.linear(x2.float(), dense(self.weight))
         elif x2.shape[0] >= GEMM_ROWS:
             w = self.weight
             y = F.linear(x2.float(), self._kernels.dequantize(w.codes, w.scales, self._offsets, w.block, w.layout == "u4"))
