@@ -111,10 +111,10 @@ class Linear:
         if self.packed is not None:
             self.weight = None  # the packed copy replaces it (frees the fused QKV / gate-up copies)
 
-    def __call__(self, x: torch.Tensor, min_rows: int = 1, act8: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
         """``x [n, in]`` -> ``[n, out]``, computed over at least ``min_rows`` rows (the first row
         repeated as padding, then dropped): the reproducible mode's row floor
-        (:mod:`speculum.runners.invariance`). ``act8``: the quantized layers' option, ignored here."""
+        (:mod:`speculum.runners.invariance`)."""
         n = x.shape[0]
         if n < min_rows:
             return self(torch.cat([x, x[:1].expand(min_rows - n, -1)]))[:n]
@@ -223,19 +223,13 @@ class NativeDecoder:
         # speculum/weights/layer_ops.cpp), which computes every row alone; None runs torch's operators
         quantized_layers = any(not isinstance(layer.qkv, Linear) for layer in layers)
         self.ops = layer_ops() if quantized_layers and self.dtype == torch.float32 and not fused else None
-        # 8-bit activations (opt-in, SPECULUM_ACT8=1: llama.cpp's scheme, another model than the float
-        # activations'), where every product is quantized, so that every row of a step is computed alone
-        # and rounds its activations the same whatever the step
-        products = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [head]
-        self.act8 = (self.ops is not None and not any(isinstance(m, Linear) for m in products)
-                     and os.environ.get("SPECULUM_ACT8", "0") == "1")
         # what the step's cost depends on beyond the configuration (the calibration key's part): the
         # quantized kernels' build (their source and this CPU) and options
         self.kernel_variant = ""
         if quantized_layers:
             from ..weights.build import build_key, target_arch
 
-            self.kernel_variant = (f" kernels={build_key(target_arch())}" + (" act8" if self.act8 else "")
+            self.kernel_variant = (f" kernels={build_key(target_arch())}"
                                    + ("" if self.ops is not None else " torch-ops"))
         self.layout = AttentionLayout(
             layers=shape.layers, heads=shape.heads, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
@@ -378,12 +372,11 @@ class NativeDecoder:
             return self.attend(q, kv[i, 0, :, :keys], kv[i, 1, :, :keys], masks[layer.sliding], floors is not None)
 
         return self.forward_with(ids, positions, attend, last_only, hidden_layers, floors or NO_FLOORS,
-                                 extra_embeds=extra_embeds, act8=rowwise and self.act8)
+                                 extra_embeds=extra_embeds)
 
     def forward_with(self, ids: torch.Tensor, positions: torch.Tensor, attend, last_only: bool = False,
                      hidden_layers: Sequence[int] = (), floors: RowFloors = NO_FLOORS,
-                     logit_rows: torch.Tensor | None = None, extra_embeds: torch.Tensor | None = None,
-                     act8: bool = False) -> Forward:
+                     logit_rows: torch.Tensor | None = None, extra_embeds: torch.Tensor | None = None) -> Forward:
         """:meth:`forward` with the cache left to ``attend(i, layer, q [n, H, d], k, v [n, H_kv, d])
         -> [n, H*d]``, which stores layer ``i``'s new keys and values where it keeps them and returns
         the attention output (how KV policies run the model: :mod:`speculum.runners.policy`).
@@ -392,9 +385,7 @@ class NativeDecoder:
         ``output_hidden_states``: 0 the embeddings, ``i`` the ``i``-th layer's output, ``layers`` the
         final norm's output. ``logit_rows [m]``: compute the logits of these rows only (a batch's
         prefill chunks need their last row's). ``extra_embeds [e, D]``: rows input as embeddings after
-        the ids' (a drafter's prompt rows). ``act8``: the quantized products round their activations to
-        8 bits (where ``attend`` computes each row alone, as :meth:`forward`'s compiled attention does,
-        so that a token's logits stay the same bits whatever step computes them)."""
+        the ids' (a drafter's prompt rows)."""
         hidden: dict[int, torch.Tensor] = {}
         h = self.embed_ids(ids)
         if extra_embeds is not None:
@@ -404,7 +395,7 @@ class NativeDecoder:
         rope = self.rope(positions)
         last = len(self.layers)
         for i, layer in enumerate(self.layers):
-            h = self.layer_forward(i, layer, h, rope, attend, floors, act8)
+            h = self.layer_forward(i, layer, h, rope, attend, floors)
             if i + 1 in hidden_layers and i + 1 < last:
                 hidden[i + 1] = h
         if last in hidden_layers:
@@ -412,10 +403,10 @@ class NativeDecoder:
             hidden[last] = normed
             if logit_rows is not None:
                 normed = normed.index_select(0, logit_rows)
-            return Forward(self.head_logits(normed[-1:] if last_only else normed, floors.head, act8), hidden)
+            return Forward(self.head_logits(normed[-1:] if last_only else normed, floors.head), hidden)
         if logit_rows is not None:
             h = h.index_select(0, logit_rows)
-        return Forward(self.logits(h[-1:] if last_only else h, floors.head, act8), hidden)
+        return Forward(self.logits(h[-1:] if last_only else h, floors.head), hidden)
 
     def embed_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [n]`` -> hidden states ``[n, D]``."""
@@ -434,10 +425,10 @@ class NativeDecoder:
         return rope
 
     def layer_forward(self, i: int, layer: Layer, h: torch.Tensor, rope: dict, attend,
-                      floors: RowFloors = NO_FLOORS, act8: bool = False) -> torch.Tensor:
-        """One decoder layer on ``h [n, D]``; ``attend``, ``floors`` and ``act8`` as in :meth:`forward_with`."""
+                      floors: RowFloors = NO_FLOORS) -> torch.Tensor:
+        """One decoder layer on ``h [n, D]``; ``attend`` and ``floors`` as in :meth:`forward_with`."""
         if self.ops is not None and isinstance(layer.input_norm, RMSNorm):  # (a draft's layers: its own norms)
-            return self._layer_ops_forward(i, layer, h, rope, attend, floors, act8)
+            return self._layer_ops_forward(i, layer, h, rope, attend, floors)
         s = self.shape
         n = h.shape[0]
         cos, sin = rope["sliding_attention" if layer.sliding else "full_attention"]
@@ -462,7 +453,7 @@ class NativeDecoder:
         return h + (layer.post_mlp_norm(m) if layer.post_mlp_norm is not None else m)
 
     def _layer_ops_forward(self, i: int, layer: Layer, h: torch.Tensor, rope: dict, attend,
-                           floors: RowFloors = NO_FLOORS, act8: bool = False) -> torch.Tensor:
+                           floors: RowFloors = NO_FLOORS) -> torch.Tensor:
         """:meth:`layer_forward` on the compiled layer ops (quantized weights, float32): the norms with
         their residual adds, and the q/k norms with the rotary embedding, each one call. (``floors``
         pad only the float products a quantized model may keep: the quantized ones need none.)"""
@@ -470,28 +461,27 @@ class NativeDecoder:
         cos, sin = rope["sliding_attention" if layer.sliding else "full_attention"]
         norm = layer.input_norm
         x = ops.rms_norm(h.contiguous(), norm.scale32, norm.eps)
-        qkv = layer.qkv(x, floors.qkv, act8=act8)
+        qkv = layer.qkv(x, floors.qkv)
         qn, kn = layer.q_norm, layer.k_norm
         q, k, v = ops.rope_qkv(qkv, cos, sin, s.heads, s.kv_heads, _EMPTY if qn is None else qn.scale32,
                                _EMPTY if kn is None else kn.scale32, 0.0 if qn is None else qn.eps)
-        a = layer.o(attend(i, layer, q, k, v), floors.o, act8=act8)
+        a = layer.o(attend(i, layer, q, k, v), floors.o)
         if layer.pre_mlp_norm is not None:  # Gemma: norms on both sides of each block
             post, nxt = layer.post_attn_norm, layer.pre_mlp_norm
             h, x = ops.add_rms_norm(h, a, post.scale32, post.eps, nxt.scale32, nxt.eps)
         else:
             nxt = layer.post_attn_norm
             h, x = ops.add_rms_norm(h, a, _EMPTY, 0.0, nxt.scale32, nxt.eps)
-        gate, up = layer.gate_up(x, floors.gate_up, act8=act8).chunk(2, dim=-1)
-        m = layer.down(self.act(gate) * up, floors.down, act8=act8)
+        gate, up = layer.gate_up(x, floors.gate_up).chunk(2, dim=-1)
+        m = layer.down(self.act(gate) * up, floors.down)
         post = layer.post_mlp_norm
         h, _ = ops.add_rms_norm(h, m, _EMPTY if post is None else post.scale32, 0.0 if post is None else post.eps,
                                 _EMPTY, 0.0)
         return h
 
-    def logits(self, h: torch.Tensor, min_rows: int = 1, act8: bool = False) -> torch.Tensor:
-        """Final norm, head and soft-capping: ``h [n, D]`` -> ``[n, V]`` (``min_rows``: see :class:`Linear`;
-        ``act8``: :meth:`forward_with`)."""
-        return self.head_logits(self.norm_final(h), min_rows, act8)
+    def logits(self, h: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+        """Final norm, head and soft-capping: ``h [n, D]`` -> ``[n, V]`` (``min_rows``: see :class:`Linear`)."""
+        return self.head_logits(self.norm_final(h), min_rows)
 
     def norm_final(self, h: torch.Tensor) -> torch.Tensor:
         """The final norm of ``h [n, D]`` (on the compiled layer ops where the decoder has them)."""
@@ -499,9 +489,9 @@ class NativeDecoder:
             return self.ops.rms_norm(h.contiguous(), self.final_norm.scale32, self.final_norm.eps)
         return self.final_norm(h)
 
-    def head_logits(self, normed: torch.Tensor, min_rows: int = 1, act8: bool = False) -> torch.Tensor:
+    def head_logits(self, normed: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
         """Head and soft-capping of final-norm outputs ``[n, D]`` -> ``[n, V]``."""
-        logits = self.head(normed, min_rows, act8=act8)
+        logits = self.head(normed, min_rows)
         if self.shape.final_softcap is not None:
             logits = torch.tanh(logits / self.shape.final_softcap) * self.shape.final_softcap
         return logits

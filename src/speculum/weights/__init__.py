@@ -35,8 +35,8 @@ class StackedLinear:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
-    def __call__(self, x: torch.Tensor, min_rows: int = 1, act8: bool = False) -> torch.Tensor:
-        return torch.cat([p(x, act8=act8) for p in self.parts], dim=-1)
+    def __call__(self, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
 def quantized_linear(parts: list[QuantWeight], bias: torch.Tensor | None = None):

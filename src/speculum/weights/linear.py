@@ -2,12 +2,13 @@
 
 :class:`QuantizedLinear` has the call of the native decoder's float ``Linear`` (``x [n, in], min_rows``
 -> ``[n, out]``), so the decoder does not know which it holds. It runs the compiled kernels
-(:mod:`speculum.weights.build`), which decode the weights to float32 in registers and keep the
-activations in float32 (the product of the dequantized weights, to float rounding); every row is
-computed alone, so a row's result does not depend on how many rows share the call and the
-reproducible mode needs no padding (``min_rows`` is ignored). Where the
-kernels cannot be built, the layer runs ``F.linear`` on the weight dequantized to float once (the
-exact product of the same weights, rounded differently).
+(:mod:`speculum.weights.build`), which round each activation row to 8 bits per block of 32 as
+llama.cpp does and multiply codes in integers (a product within ``d/2 * sum|w|`` per block of the
+float product, ``d`` the block's activation scale). Every row is rounded and computed alone, so a
+row's result does not depend on how many rows share the call and the reproducible mode needs no
+padding (``min_rows`` is ignored). Long prompt chunks (:data:`GEMM_ROWS`) run a float32 GEMM on the
+weight dequantized for the call. Where the kernels cannot be built, the layer runs ``F.linear`` on
+the weight dequantized to float once (float activations: the same weights, another rounding).
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ import torch.nn.functional as F
 from .build import kernels
 from .formats import QuantWeight
 
-_EMPTY = torch.empty(0)
 # from this many rows (prompt chunks; verification steps stay below it) a product dequantizes the
-# weight for the call and runs one float32 GEMM: the kernels decode each weight block once per 4 rows,
-# which a long prompt chunk pays many times over
+# weight for the call and runs one float32 GEMM (oneDNN's blocking suits a long prompt chunk)
 GEMM_ROWS = 128
 
 
@@ -50,28 +49,23 @@ class QuantizedLinear:
         self.dtype = torch.float32  # what the kernels compute in
         self.packed = None  # (the float Linear's attribute: no oneDNN copy here)
         self._kernels = kernels()
-        self._offsets = weight.offsets if weight.offsets is not None else _EMPTY
+        self._args = weight.kernel_args()
 
     @property
     def nbytes(self) -> int:
         """Bytes of the weight a product reads."""
         return self.weight.nbytes
 
-    def __call__(self, x: torch.Tensor, min_rows: int = 1, act8: bool = False) -> torch.Tensor:
-        """``x [..., in]`` -> ``[..., out]``; ``act8``: round the activations to 8 bits per block of 32
-        and multiply in integers (llama.cpp's scheme; a product within ``d/2 * sum|w|`` per block of the
-        float one, ``d`` the block's activation scale), where the kernels run."""
+    def __call__(self, x: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
+        """``x [..., in]`` -> ``[..., out]``."""
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self._kernels is None:
             y = F.linear(x2.float(), dense(self.weight))
         elif x2.shape[0] >= GEMM_ROWS:
-            w = self.weight
-            y = F.linear(x2.float(), self._kernels.dequantize(w.codes, w.scales, self._offsets, w.block, w.layout == "u4"))
+            y = F.linear(x2.float(), self._kernels.dequantize(*self._args))
         else:
-            w = self.weight
-            product = self._kernels.qlinear8 if act8 else self._kernels.qlinear
-            y = product(x2, w.codes, w.scales, self._offsets, w.block, w.layout == "u4")
+            y = self._kernels.qlinear(x2, *self._args)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
@@ -91,7 +85,5 @@ class QuantizedEmbedding:
         if self._kernels is None:
             rows = self.weight.dequantize(flat)
         else:
-            w = self.weight
-            off = w.offsets if w.offsets is not None else _EMPTY
-            rows = self._kernels.dequant_rows(flat.cpu(), w.codes, w.scales, off, w.block, w.layout == "u4")
+            rows = self._kernels.dequant_rows(flat.cpu(), *self.weight.kernel_args())
         return rows.to(ids.device).reshape(*ids.shape, self.embedding_dim)
