@@ -1,9 +1,9 @@
 """Quantized weights: the GGUF formats' layouts, the kernels' accuracy and row independence, and
 lossless speculative decoding on quantized tiny models (the packaged models: test_real_models.py).
 
-The kernels round each activation row to 8 bits per block of 32 (as llama.cpp does), so a product is
-within ``d/2 * sum |w|`` per block of the float product of the dequantized weights (``d`` the block's
-activation scale), plus float rounding; the AVX-512, AVX2 and portable code give the same bits.
+The kernels round each activation row to 8 bits per block of 32 (as llama.cpp does): a product equals
+the rounded activations times the dequantized weights up to float rounding, which the tests bound by
+``1e-5 * sum |x| |w|`` per output; the AVX-512, AVX2 and portable code give the same bits.
 The compiled layer ops (norms, rotary, attention) compute every row alone, which the tests check on
 whole forwards: a token's logits are the same bits in one-token steps, chains and tree branches.
 """
@@ -93,24 +93,31 @@ def _assert_rows_independent(run, x: torch.Tensor, full: torch.Tensor, case) -> 
             assert torch.equal(run(x[start:start + n]), full[start:start + n]), (case, n)
 
 
+def _rounded(x: torch.Tensor) -> torch.Tensor:
+    """``x [n, K]`` rounded as the kernels round activations: 8 bits per block of 32, ``d = max|x| / 127``."""
+    xb = x.double().view(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, xb / d, torch.zeros_like(xb)).round().clamp(-127, 127)
+    return (q * d).view_as(x)
+
+
 def _act8_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``[n, R]``: rounding the activations to 8 bits per block of 32 (scale ``d = max|x| / 127``) moves
-    a product by at most ``d / 2 * sum |w|`` per block; plus float rounding."""
-    d = x.view(x.shape[0], -1, 32).abs().amax(-1) / 127  # [n, K/32]
-    return (d / 2) @ w.abs().view(w.shape[0], -1, 32).sum(-1).T + _bound(x, w)
+    """``[n, R]``: float rounding around the product of the rounded activations."""
+    return _bound(_rounded(x).float(), w)
 
 
-def test_kernels_bound_row_independence_and_one_result_per_isa():
-    """Each format's product is within the 8-bit bound of the float product, does round (it is not the
-    float product), computes each row alone, and gives the same bits on every code path this machine
-    runs (AVX-512, AVX2, portable)."""
+def test_kernels_are_rounded_activations_times_weights_on_every_isa():
+    """Each format's product equals the rounded activations (:func:`_rounded`) times the dequantized
+    weights to float rounding (so within ``d/2 * sum|w|`` per block of the float product), does round (it
+    is not the float product), computes each row alone, and gives the same bits on every code path this
+    machine runs (AVX-512, AVX2, portable)."""
     results = {}
     for arch in ARCHS:
         for case, x, w, run in _product_cases(load_kernels(arch).qlinear, 1):
             full = run(x)
-            err = (full - x @ w.T).abs()
+            err = (full.double() - _rounded(x) @ w.double().T).abs()
             assert (err <= _act8_bound(x, w)).all(), (arch, case, (err - _act8_bound(x, w)).max())
-            assert (err > _bound(x, w)).any(), (arch, case)
+            assert ((full - x @ w.T).abs() > _bound(x, w)).any(), (arch, case)
             _assert_rows_independent(run, x, full, (arch, case))
             assert torch.equal(results.setdefault(case, full), full), (arch, case)
 
@@ -127,8 +134,9 @@ def test_kernels_exceed_the_bound_when_weights_are_wrong():
     x = torch.randn(4, 64)
     x[:, 49] = 3.0
     w = qw.dequantize()
-    assert ((k.qlinear(x, *qw.kernel_args()) - x @ w.T).abs() <= _act8_bound(x, w)).all()
-    assert ((k.qlinear(x, *wrong.kernel_args()) - x @ w.T).abs() > _act8_bound(x, w)).any()
+    want = (_rounded(x) @ w.double().T).float()
+    assert ((k.qlinear(x, *qw.kernel_args()) - want).abs() <= _act8_bound(x, w)).all()
+    assert ((k.qlinear(x, *wrong.kernel_args()) - want).abs() > _act8_bound(x, w)).any()
 
 
 def test_dequant_rows_is_the_embedding():

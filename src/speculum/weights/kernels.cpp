@@ -58,8 +58,11 @@ inline int32_t code_at(const uint8_t* p, int64_t o, int64_t e) {
   }
 }
 
-// The activation rows, rounded: codes q [n, K] (-127..127), scale d [n, K/32], the block's float sum s
-// [n, K/32] (what a u4 offset multiplies) and the codes' sums per 16 inputs c [n, K/16].
+// The activation rows, rounded: codes q [n, K] (-127..127), scale d [n, K/32], the rounded block's sum
+// s = d * sum(q) [n, K/32] (what a u4 offset multiplies) and the codes' sums per 16 inputs c [n, K/16].
+// The offset takes the rounded sum, not the exact one: then a block's product is exactly the rounded
+// activations times w = scale * q + offset, whose error sum(w * e) stays small, where the exact sum
+// would leave an error sum((w - offset) * e) on codes shifted by the offset (as llama.cpp's Q8_1).
 struct Rows8 {
   torch::Tensor q, d, s, c;
 };
@@ -74,11 +77,8 @@ Rows8 quantize_rows(const torch::Tensor& x) {
   int32_t* c = r.c.data_ptr<int32_t>();
   for (int64_t i = 0; i < n * nb; ++i) {  // block i: elements 32 i .. 32 i + 31 of the [n, K] array
     const float* xb = X + i * QB;
-    float amax = 0.0f, sum = 0.0f;
-    for (int e = 0; e < QB; ++e) {
-      amax = std::max(amax, std::fabs(xb[e]));
-      sum += xb[e];
-    }
+    float amax = 0.0f;
+    for (int e = 0; e < QB; ++e) amax = std::max(amax, std::fabs(xb[e]));
     const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
     int32_t half_sum[2] = {0, 0};
     for (int e = 0; e < QB; ++e) {
@@ -87,7 +87,7 @@ Rows8 quantize_rows(const torch::Tensor& x) {
       half_sum[e / 16] += v;
     }
     d[i] = amax / 127.0f;
-    s[i] = sum;
+    s[i] = d[i] * static_cast<float>(half_sum[0] + half_sum[1]);
     c[2 * i] = half_sum[0];
     c[2 * i + 1] = half_sum[1];
   }
