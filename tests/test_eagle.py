@@ -228,6 +228,18 @@ def test_auto_with_an_eagle_arm_equals_ar(tiny_model, tmp_path):
     assert "eagle" in chosen
 
 
+def test_auto_does_not_build_a_retired_arm(tiny_model, tmp_path):
+    """An arm that ``auto`` retired on this model and machine (recorded under the calibration key) is
+    not built again."""
+    from speculum.drafters.arm_memory import ArmMemory, arm_name
+
+    path = random_head(tiny_model, tmp_path / "h.safetensors")
+    memory = ArmMemory.for_key("test-retired")
+    memory.retire(arm_name("eagle", path))
+    auto = build_method("auto", tiny_model, None, draft_head=str(path), sized=False, memory_key="test-retired")
+    assert "eagle" not in auto.engine.drafter.arms and not auto.engine.drafter.hidden_layers
+
+
 def test_eagle_on_the_hf_runner(tmp_path):
     """Hidden states from transformers' own modules feed the head just as well."""
     from speculum.runners import HFRunner

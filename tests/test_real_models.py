@@ -61,7 +61,9 @@ def _check_methods(model, tok, chat, draft=None, cross_check=True, draft_head=No
     assert isinstance(runner, NativeRunner)
     hf_runner = build_method("ar", model, tok, runner=HFRunner(model))
     names = ["hf", "ar", "hf_pld"] + list(SPECULATIVE) + (["draft_model"] if draft is not None else []) + list(learned)
-    methods = {m: build_method(m, model, tok, draft, tok, runner=runner, draft_head=draft_head, cost_model=cost_model)
+    # (auto keeps every learned arm here: no memory of arms retired by earlier tests)
+    methods = {m: build_method(m, model, tok, draft, tok, runner=runner, draft_head=draft_head, cost_model=cost_model,
+                               **({"memory_key": None} if m == "auto" else {}))
                for m in names}
     for prompt in prompts:
         ids = encode_prompt(tok, prompt, chat)

@@ -234,10 +234,11 @@ class FakeClock:
         return self.t
 
 
-def _simulate_auto(outcome, steps=300):
-    """Drive ``auto`` with a fake clock: ``outcome(arm) -> (tokens gained, seconds)``; return its choices."""
+def _simulate_auto(outcome, steps=300, **options):
+    """Drive ``auto`` with a fake clock: ``outcome(arm) -> (tokens gained, seconds)``; return its choices
+    (``options``: more of AutoDrafter's)."""
     clock = FakeClock()
-    auto = AutoDrafter(clock=clock)
+    auto = AutoDrafter(clock=clock, **options)
     auto.reset([1, 2, 3], None, None)
     length = 3
     for _ in range(steps):
@@ -257,3 +258,20 @@ def test_auto_falls_back_to_plain_decoding_when_nothing_pays():
     # drafting costs and never gains
     chosen = _simulate_auto(lambda arm: (1, 0.016 if arm == "none" else 0.019))
     assert Counter(chosen[-100:])["none"] >= 80
+
+
+def test_auto_retires_a_learned_arm_that_does_not_pay_and_remembers_it(tmp_path):
+    """A learned arm slower than the best model-free arm is dropped after a few trials (no more
+    exploration, no more hidden states) and recorded; one that pays stays and wins."""
+    from speculum.drafters.arm_memory import ArmMemory
+
+    memory = ArmMemory(tmp_path / "retired.json")
+    slow, fast = AutoregressiveDrafter(), AutoregressiveDrafter()
+    slow.hidden_layers = (3,)
+    outcome = {"none": (1, 0.016), "mix": (2, 0.020), "slow": (1, 0.030), "fast": (4, 0.020)}
+    chosen = _simulate_auto(lambda arm: outcome.get(arm, (1, 0.025)), learned={"slow": slow, "fast": fast},
+                            memory=memory, arm_names={"slow": "eagle:/heads/slow"})
+    assert 1 <= Counter(chosen)["slow"] <= 16
+    assert "slow" not in chosen[-200:]
+    assert Counter(chosen[-100:])["fast"] >= 80
+    assert ArmMemory(tmp_path / "retired.json").names == {"eagle:/heads/slow"}

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .calibrate import load_or_measure
+from .calibrate import calibration_key, load_or_measure
 from .constrain.matcher import compile_constraint
 from .drafters import DRAFTERS
 from .drafters.draft_model import check_same_tokenizer, same_tokenizer
@@ -343,6 +343,8 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
     draft_head = options.pop("draft_head", None)
     if entry.needs_target:
         options["target"], options["draft_head"] = model, draft_head
+    if entry.remembers_arms:
+        options.setdefault("memory_key", calibration_key(runner))
     drafter = entry.factory(**options)
     sizer = TreeSizer(cost_model or _calibrated(runner)) if sized else None
     return EngineMethod(name, Engine(runner, drafter, tokenizer, max_tree=max_tree, sizer=sizer, kv_policy=kv_policy,

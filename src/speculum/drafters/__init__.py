@@ -13,6 +13,7 @@ from functools import partial
 
 from ..heads import find_head, pick_head
 from .ar import AutoregressiveDrafter
+from .arm_memory import ArmMemory, arm_name
 from .auto import AutoDrafter
 from .base import Drafter
 from .draft_model import DraftModelDrafter
@@ -41,7 +42,8 @@ class DrafterEntry:
     learned heads read the target's embedding and LM head);
     ``scored``: its trees carry acceptance scores, so the engine sizes them to the hardware's cost
     curve (:class:`~speculum.tree_sizing.TreeSizer`); ``max_tree``: the engine's budget of drafted
-    nodes per step.
+    nodes per step; ``remembers_arms``: it takes ``memory_key=``, the runner's calibration key, under
+    which it remembers the arms that did not pay (:mod:`~speculum.drafters.arm_memory`).
     """
 
     factory: Callable[..., Drafter]
@@ -50,6 +52,7 @@ class DrafterEntry:
     needs_draft_model: bool = False
     needs_target: bool = False
     max_tree: int = 64
+    remembers_arms: bool = False
 
 
 # the learned drafters ``auto`` adds as arms where their heads exist (every arm costs exploration steps)
@@ -62,18 +65,25 @@ AUTO_SELF = ("lookahead", "quant_self")
 
 
 def _auto(target=None, draft_head=None, learned: bool | tuple[str, ...] = True, self_drafts: tuple[str, ...] = (),
-          **options) -> AutoDrafter:
+          memory_key: str | None = None, **options) -> AutoDrafter:
     """``auto``, with an arm for every learned drafter of ``learned`` (True: :data:`AUTO_LEARNED`)
-    whose head for the target is given or shipped, and one for each self-drafter of ``self_drafts``."""
+    whose head for the target is given or shipped, and one for each self-drafter of ``self_drafts``;
+    ``memory_key``: the calibration key under which retired arms are remembered
+    (:mod:`~speculum.drafters.arm_memory`: those are not built)."""
     kinds = AUTO_LEARNED if learned is True else tuple(learned or ())
-    arms = {}
+    memory = ArmMemory.for_key(memory_key) if memory_key else None
+    arms, names = {}, {}
     for kind in kinds if target is not None else ():
         path = pick_head(draft_head, kind) or find_head(target, kind)
         if path is not None:
-            arms[kind] = DRAFTERS[kind].factory(target=target, draft_head=path)
+            names[kind] = arm_name(kind, path)
+            if memory is None or names[kind] not in memory.names:
+                arms[kind] = DRAFTERS[kind].factory(target=target, draft_head=path)
     for kind in self_drafts if target is not None else ():
-        arms[kind] = DRAFTERS[kind].factory(target=target)
-    return AutoDrafter(learned=arms, **options)
+        names[kind] = arm_name(kind, None)
+        if memory is None or names[kind] not in memory.names:
+            arms[kind] = DRAFTERS[kind].factory(target=target)
+    return AutoDrafter(learned=arms, memory=memory, arm_names=names, **options)
 
 
 def _mix(**options) -> MixDrafter:
@@ -94,9 +104,9 @@ DRAFTERS: dict[str, DrafterEntry] = {
                                      "speculum's Token Recycling: best-first tree, token-pair table", scored=True),
     "mix": DrafterEntry(_mix, "suffix_merged and recycling_scored candidates in one tree", scored=True),
     "auto": DrafterEntry(_auto, "a bandit over mix / ngram / the learned drafters / none by measured tokens per second",
-                         scored=True, needs_target=True),
+                         scored=True, needs_target=True, remembers_arms=True),
     "auto_self": DrafterEntry(partial(_auto, self_drafts=AUTO_SELF), "auto with the self-drafters lookahead and "
-                              "quant_self as more arms", scored=True, needs_target=True),
+                              "quant_self as more arms", scored=True, needs_target=True, remembers_arms=True),
     "draft_model": DrafterEntry(DraftModelDrafter, "a smaller model with the same tokenizer drafts chains",
                                 needs_draft_model=True),
     "draft_model_tree": DrafterEntry(partial(DraftModelDrafter, top_k=4), "a smaller model with the same tokenizer "

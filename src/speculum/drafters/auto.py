@@ -13,6 +13,14 @@ with the highest upper confidence bound, so an arm that stops paying (nothing ma
 rejected) loses to ``none`` (BENCHMARKS.md, "Where nothing matches"). The tree sizer already shrinks hopeless trees to
 nothing; the bandit also catches costs the sizer does not model.
 
+**Arms that do not pay are retired.** A learned or self-drafting arm whose measured rate stays below
+:data:`KEEP_RATIO` times the best model-free arm's (``mix``, ``ngram``, ``none``), after
+:data:`TRIAL_STEPS` steps of its own or :data:`PATIENCE_STEPS` steps of the bandit, is dropped: it
+is no longer explored and no longer reads the target's hidden states at every step. Where ``auto``
+was given an :class:`~speculum.drafters.arm_memory.ArmMemory` (the methods built by
+:func:`speculum.methods.build_method` are), the retirement is remembered per model and machine, so
+later runs do not build that arm at all.
+
 The arms share their state (one suffix trie, one recycling matrix), so every arm keeps learning
 from every step whichever arm drafted it.
 
@@ -47,6 +55,7 @@ import time
 from ..tree import DraftTree
 from ..verify import Acceptance
 from .ar import AutoregressiveDrafter
+from .arm_memory import ArmMemory
 from .base import Drafter
 from .mix import MixDrafter
 from .ngram import NgramDrafter
@@ -55,14 +64,20 @@ from .recycling import RecyclingDrafter
 from .suffix_merged import SuffixMergedDrafter
 
 BATCH_ARM = "mix"  # what auto drafts with in a batch
+MODEL_FREE = ("mix", "ngram", "none")  # the arms a learned arm must beat to stay
+TRIAL_STEPS = 16  # steps of its own after which a learned arm that does not pay is retired
+PATIENCE_STEPS = 64  # steps of the bandit after which it is retired however few it drafted
+KEEP_RATIO = 0.9  # a learned arm stays while its rate is at least this share of the best model-free arm's
 
 
 class AutoDrafter(Drafter):
     name = "auto"
 
     def __init__(self, gamma: float = 0.99, explore: float = 0.25, clock=time.perf_counter,
-                 learned: dict[str, Drafter] | None = None):
-        # learned: more arms by name, the learned drafters' and the self-drafters' (``auto_self``)
+                 learned: dict[str, Drafter] | None = None, memory: ArmMemory | None = None,
+                 arm_names: dict[str, str] | None = None):
+        # learned: more arms by name, the learned drafters' and the self-drafters' (``auto_self``);
+        # memory: where retired arms are recorded, under arm_names[name] (default: the name)
         self.suffix, self.recycling = SuffixMergedDrafter(), RecyclingDrafter(tree="scored", pair_context=True)
         self.ngram = NgramDrafter()
         self.learned = dict(learned or {})
@@ -72,8 +87,8 @@ class AutoDrafter(Drafter):
             "none": AutoregressiveDrafter(),
             **self.learned,
         }
-        self.hidden_layers = tuple(sorted({i for d in self.learned.values() for i in d.hidden_layers}))
-        self.reads_cache = any(d.reads_cache for d in self.learned.values())  # a self-drafting arm
+        self.memory, self.arm_names = memory, dict(arm_names or {})
+        self._sync_learned()
         self.rates = ArmRates(self.arms, gamma, explore)  # shared with forks
         self.clock = clock
         self.steps = StepClock(self.rates, clock)
@@ -107,9 +122,33 @@ class AutoDrafter(Drafter):
         """Credit the previous step (a solo one), pick this step's arm (:data:`BATCH_ARM` in a
         batch, unclocked) and start its clock; ``length``: tokens so far."""
         self.steps.close(length)
+        if self.learned:
+            self._retire_losers()
         arm = BATCH_ARM if self.batched else self.steps.begin(length)
         self.chosen.append(arm)
         return arm
+
+    def _sync_learned(self) -> None:
+        """What the engine hands the arms: hidden layers and the cache, for the learned arms kept."""
+        self.hidden_layers = tuple(sorted({i for d in self.learned.values() for i in d.hidden_layers}))
+        self.reads_cache = any(d.reads_cache for d in self.learned.values())  # a self-drafting arm
+
+    def _retire_losers(self) -> None:
+        """Drop the learned arms that do not pay (module docstring), and those a fork dropped."""
+        rates = self.rates
+        free = max(rates.rate(a) for a in MODEL_FREE)
+        total = sum(rates.picks.values())
+        for name in list(self.learned):
+            if name in rates.tokens:
+                picks = rates.picks[name]
+                if not (picks >= 1 and (picks >= TRIAL_STEPS or total >= PATIENCE_STEPS)
+                        and rates.rate(name) < KEEP_RATIO * free):
+                    continue
+                rates.drop(name)
+                if self.memory is not None:
+                    self.memory.retire(self.arm_names.get(name, name))
+            del self.learned[name], self.arms[name]
+            self._sync_learned()
 
     def propose(self, tokens: list[int], budget: int) -> DraftTree:
         return self.arms[self.start_step(len(tokens))].propose(tokens, budget)

@@ -26,9 +26,14 @@ class ArmRates:
         self.tokens = dict.fromkeys(arms, 0.0)  # discounted tokens committed by each arm's steps
         self.seconds = dict.fromkeys(self.tokens, 0.0)  # discounted seconds spent in them
         self.pulls = dict.fromkeys(self.tokens, 0.0)  # discounted number of steps
+        self.picks = dict.fromkeys(self.tokens, 0)  # steps, not discounted
 
     def credit(self, arm: str, tokens: int, seconds: float) -> None:
-        """One more step of ``arm``: every arm's evidence decays by ``gamma``, then this one's grows."""
+        """One more step of ``arm``: every arm's evidence decays by ``gamma``, then this one's grows
+        (a step of an arm dropped meanwhile is not credited)."""
+        if arm not in self.tokens:
+            return
+        self.picks[arm] += 1
         for a in self.tokens:
             self.tokens[a] *= self.gamma
             self.seconds[a] *= self.gamma
@@ -50,6 +55,11 @@ class ArmRates:
         total = sum(self.pulls.values())
         return max(self.tokens, key=lambda a: self.rate(a) / best
                    + self.explore * math.sqrt(math.log(total + 1) / self.pulls[a]))
+
+    def drop(self, arm: str) -> None:
+        """Forget ``arm``: it is not picked again."""
+        for table in (self.tokens, self.seconds, self.pulls, self.picks):
+            table.pop(arm, None)
 
     def halve(self) -> None:
         """Halve the evidence (estimates kept, confidence not): a new request may be another kind
