@@ -146,8 +146,7 @@ def test_dequant_rows_is_the_embedding():
         ids = torch.tensor([3, 0, 10, 3])
         got = k.dequant_rows(ids, *qw.kernel_args())
         assert torch.equal(got, qw.dequantize(ids)), fmt
-        whole = k.dequantize(*qw.kernel_args())  # (a prompt's GEMM operand)
-        assert torch.allclose(whole, qw.dequantize(), rtol=1e-6, atol=1e-6 * qw.dequantize().abs().max()), fmt
+
 
 
 def _quantized_tiny(kind: str, fmt: str):

@@ -67,6 +67,56 @@ struct Rows8 {
   torch::Tensor q, d, s, c;
 };
 
+// One block of 32 activations: codes q, and returns the scale d; c gets the codes' sums of the two
+// halves. The vector code does what the scalar code does (the largest magnitude is exact in any order;
+// one multiply and a round-to-nearest-even per element), so every build rounds alike.
+inline float quantize_block(const float* x, int8_t* q, int32_t* c) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m512 lim = _mm512_set1_ps(127.0f), neg = _mm512_set1_ps(-127.0f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_max_ps(neg, _mm512_min_ps(lim, _mm512_mul_ps(a, id))));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_max_ps(neg, _mm512_min_ps(lim, _mm512_mul_ps(b, id))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  c[0] = _mm512_reduce_add_epi32(qa);
+  c[1] = _mm512_reduce_add_epi32(qb);
+#elif defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m256 lim = _mm256_set1_ps(127.0f), neg = _mm256_set1_ps(-127.0f);
+  alignas(32) int32_t qi[32];
+  for (int i = 0; i < 4; ++i)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(qi + 8 * i),
+                       _mm256_cvtps_epi32(_mm256_max_ps(neg, _mm256_min_ps(lim, _mm256_mul_ps(v[i], id)))));
+  c[0] = c[1] = 0;
+  for (int e = 0; e < 32; ++e) {
+    q[e] = static_cast<int8_t>(qi[e]);
+    c[e / 16] += qi[e];
+  }
+#else
+  float amax = 0.0f;
+  for (int e = 0; e < QB; ++e) amax = std::max(amax, std::fabs(x[e]));
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  c[0] = c[1] = 0;
+  for (int e = 0; e < QB; ++e) {
+    q[e] = static_cast<int8_t>(std::nearbyint(std::max(-127.0f, std::min(127.0f, x[e] * id))));
+    c[e / 16] += q[e];
+  }
+#endif
+  return amax / 127.0f;
+}
+
 Rows8 quantize_rows(const torch::Tensor& x) {
   const int64_t n = x.size(0), K = x.size(1), nb = K / QB;
   Rows8 r{torch::empty({n, K}, x.options().dtype(torch::kInt8)), torch::empty({n, nb}, x.options()),
@@ -75,22 +125,13 @@ Rows8 quantize_rows(const torch::Tensor& x) {
   int8_t* q = r.q.data_ptr<int8_t>();
   float *d = r.d.data_ptr<float>(), *s = r.s.data_ptr<float>();
   int32_t* c = r.c.data_ptr<int32_t>();
-  for (int64_t i = 0; i < n * nb; ++i) {  // block i: elements 32 i .. 32 i + 31 of the [n, K] array
-    const float* xb = X + i * QB;
-    float amax = 0.0f;
-    for (int e = 0; e < QB; ++e) amax = std::max(amax, std::fabs(xb[e]));
-    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t half_sum[2] = {0, 0};
-    for (int e = 0; e < QB; ++e) {
-      const int8_t v = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(xb[e] * id))));
-      q[i * QB + e] = v;
-      half_sum[e / 16] += v;
+  // block i: elements 32 i .. 32 i + 31 of the [n, K] array
+  at::parallel_for(0, n * nb, 1 << 10, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      d[i] = quantize_block(X + i * QB, q + i * QB, c + 2 * i);
+      s[i] = d[i] * static_cast<float>(c[2 * i] + c[2 * i + 1]);
     }
-    d[i] = amax / 127.0f;
-    s[i] = d[i] * static_cast<float>(half_sum[0] + half_sum[1]);
-    c[2 * i] = half_sum[0];
-    c[2 * i + 1] = half_sum[1];
-  }
+  });
   return r;
 }
 
@@ -385,39 +426,6 @@ torch::Tensor dequant_rows(torch::Tensor ids, torch::Tensor codes, torch::Tensor
   return out;
 }
 
-// The whole weight dequantized: [R, K] float32 (w = scale * q + offset per block, one fused multiply-add),
-// groups split over threads; a long prompt chunk's products then run as one float GEMM.
-torch::Tensor dequantize(torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bs, bool u4,
-                         int64_t R) {
-  const int64_t K = scales.size(1) * bs, nb = K / QB;
-  const int64_t G = check_weight(codes, scales, offsets, bs, u4, R, K);
-  auto out = torch::empty({G * GROUP, K}, torch::TensorOptions().dtype(torch::kFloat32));
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  float* y = out.data_ptr<float>();
-  typed(scales, offsets, u4, [&](auto u4c, const auto* s, const auto* off) {
-    constexpr bool U4 = decltype(u4c)::value;
-    at::parallel_for(0, G, std::max<int64_t>(1, (1 << 11) / std::max<int64_t>(1, K)), [&](int64_t begin, int64_t end) {
-      float q[GROUP][QB];  // a group's block of codes, decoded row by row
-      for (int64_t g = begin; g < end; ++g)
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* p = w + (g * nb + b) * (U4 ? 256 : 512);
-          for (int64_t j = 0; j < 8; ++j)
-            for (int64_t o = 0; o < GROUP; ++o)
-              for (int64_t k = 0; k < 4; ++k) q[o][4 * j + k] = static_cast<float>(code_at<U4>(p, o, 4 * j + k));
-          for (int64_t o = 0; o < GROUP; ++o) {
-            float* row = y + (g * GROUP + o) * K + b * QB;
-            for (int64_t h = 0; h < QB / bs; ++h) {
-              const float sc = to_float(s[(g * (K / bs) + b * (QB / bs) + h) * GROUP + o]);
-              const float m = U4 ? to_float(off[(g * nb + b) * GROUP + o]) : 0.0f;
-              for (int64_t e = h * bs; e < (h + 1) * bs; ++e) row[e] = U4 ? std::fma(q[o][e], sc, m) : q[o][e] * sc;
-            }
-          }
-        }
-    });
-  });
-  return G * GROUP == R ? out : out.narrow(0, 0, R).contiguous();
-}
-
 // The instruction set this build's kernels use.
 std::string isa() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -435,6 +443,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_layer_ops(m);
   m.def("qlinear", &qlinear, "x @ W^T on block-quantized W, x rounded to 8 bits per block of 32");
   m.def("dequant_rows", &dequant_rows, "rows of a block-quantized W, dequantized");
-  m.def("dequantize", &dequantize, "a block-quantized W, dequantized");
   m.def("isa", &isa, "instruction set of this build");
 }

@@ -6,9 +6,10 @@
 llama.cpp does and multiply codes in integers (a product within ``d/2 * sum|w|`` per block of the
 float product, ``d`` the block's activation scale). Every row is rounded and computed alone, so a
 row's result does not depend on how many rows share the call and the reproducible mode needs no
-padding (``min_rows`` is ignored). Long prompt chunks (:data:`GEMM_ROWS`) run a float32 GEMM on the
-weight dequantized for the call. Where the kernels cannot be built, the layer runs ``F.linear`` on
-the weight dequantized to float once (float activations: the same weights, another rounding).
+padding (``min_rows`` is ignored); prompt chunks run the same kernels, so a prompt's keys and values
+do not depend on how it was chunked either. Where the kernels cannot be built, the layer runs
+``F.linear`` on the weight dequantized to float once (float activations: the same weights, another
+rounding).
 """
 
 from __future__ import annotations
@@ -20,11 +21,6 @@ import torch.nn.functional as F
 
 from .build import kernels
 from .formats import QuantWeight
-
-# from this many rows (prompt chunks; verification steps stay below it) a product dequantizes the
-# weight for the call and runs one float32 GEMM (oneDNN's blocking suits a long prompt chunk)
-GEMM_ROWS = 128
-
 
 _DENSE: dict[int, torch.Tensor] = {}  # id(QuantWeight) -> its dequantized values, while it lives
 
@@ -62,8 +58,6 @@ class QuantizedLinear:
         x2 = x.reshape(-1, shape[-1])
         if self._kernels is None:
             y = F.linear(x2.float(), dense(self.weight))
-        elif x2.shape[0] >= GEMM_ROWS:
-            y = F.linear(x2.float(), self._kernels.dequantize(*self._args))
         else:
             y = self._kernels.qlinear(x2, *self._args)
         if self.bias is not None:
