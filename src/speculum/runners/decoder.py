@@ -215,6 +215,8 @@ class NativeDecoder:
         # rows of it (a trimmed draft head); None where the head has weights of its own or is quantized
         self.tied_head: torch.Tensor | None = None
         self.act = ACT2FN[shape.act]
+        # the compiled MLP (layer_ops.cpp) computes these activations: whether it is GELU's tanh form
+        self.mlp_gelu = {"silu": False, "gelu_pytorch_tanh": True}.get(shape.act)
         # ``embed``: the table ``[V, D]``, or a quantized one (:class:`~speculum.weights.QuantizedEmbedding`)
         self.quantized = not isinstance(embed, torch.Tensor)
         self.dtype = dtype or embed.dtype
@@ -472,8 +474,13 @@ class NativeDecoder:
         else:
             nxt = layer.post_attn_norm
             h, x = ops.add_rms_norm(h, a, _EMPTY, 0.0, nxt.scale32, nxt.eps)
-        gate, up = layer.gate_up(x, floors.gate_up).chunk(2, dim=-1)
-        m = layer.down(self.act(gate) * up, floors.down)
+        gu, down = layer.gate_up, layer.down
+        if (self.mlp_gelu is not None and getattr(gu, "args", None) is not None and gu.bias is None
+                and getattr(down, "args", None) is not None and down.bias is None):
+            m = ops.mlp(x, gu.args, down.args, self.mlp_gelu)  # (quantized products: no row floors)
+        else:
+            gate, up = gu(x, floors.gate_up).chunk(2, dim=-1)
+            m = down(self.act(gate) * up, floors.down)
         post = layer.post_mlp_norm
         h, _ = ops.add_rms_norm(h, m, _EMPTY if post is None else post.scale32, 0.0 if post is None else post.eps,
                                 _EMPTY, 0.0)

@@ -334,7 +334,72 @@ torch::Tensor attend_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   return out;
 }
 
+namespace {
+
+// v[0 .. n) <- exp(v), every v <= 0
+inline void exp_nonpositive(float* v, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(v + i, exp16(_mm512_loadu_ps(v + i)));
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(v + i, exp8(_mm256_loadu_ps(v + i)));
+#endif
+  for (; i < n; ++i) v[i] = std::exp(v[i]);
+}
+
+// The gated activation of a fused gate-up output y [n, 2F] -> [n, F]: act(gate) * up, act SiLU or
+// GELU's tanh approximation (gelu_pytorch_tanh), each from an exp of a non-positive argument (sigmoid(g)
+// from exp(-|g|), tanh(t) from exp(-2|t|)), so no exp overflows.
+torch::Tensor gated_act(const torch::Tensor& y, bool gelu) {
+  const int64_t n = y.size(0), F = y.size(1) / 2;
+  auto out = torch::empty({n, F}, y.options());
+  const float* Y = y.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  constexpr float c = 0.7978845608028654f, k = 0.044715f;  // sqrt(2 / pi)
+  at::parallel_for(0, n, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, F)), [&](int64_t begin, int64_t end) {
+    std::vector<float> e(F);
+    for (int64_t r = begin; r < end; ++r) {
+      const float *g = Y + r * 2 * F, *u = g + F;
+      float* o = O + r * F;
+      for (int64_t i = 0; i < F; ++i) e[i] = gelu ? -2.0f * std::fabs(c * (g[i] + k * g[i] * g[i] * g[i])) : -std::fabs(g[i]);
+      exp_nonpositive(e.data(), F);
+      for (int64_t i = 0; i < F; ++i) {
+        if (gelu) {
+          const float t = c * (g[i] + k * g[i] * g[i] * g[i]);
+          const float th = std::copysign((1.0f - e[i]) / (1.0f + e[i]), t);
+          o[i] = 0.5f * g[i] * (1.0f + th) * u[i];
+        } else {
+          const float sig = (g[i] >= 0.0f ? 1.0f : e[i]) / (1.0f + e[i]);
+          o[i] = g[i] * sig * u[i];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, torch::Tensor offsets, int64_t bs,
+                      bool u4, int64_t R);  // kernels.cpp
+
+namespace {
+
+using QuantArgs = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, int64_t, bool, int64_t>;
+
+// A quantized MLP in one call: down(act(gate) * up) with the gate and up products fused, x [n, D] -> [n, D];
+// each weight as QuantWeight.kernel_args() gives it.
+torch::Tensor mlp(torch::Tensor x, const QuantArgs& gate_up, const QuantArgs& down, bool gelu) {
+  auto product = [](const torch::Tensor& in, const QuantArgs& w) {
+    return qlinear(in, std::get<0>(w), std::get<1>(w), std::get<2>(w), std::get<3>(w), std::get<4>(w), std::get<5>(w));
+  };
+  return product(gated_act(product(x, gate_up), gelu), down);
+}
+
+}  // namespace
+
 void register_layer_ops(pybind11::module& m) {
+  m.def("mlp", &mlp, "a quantized gated MLP (fused gate-up product, SiLU or GELU-tanh gate, down product)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   m.def("add_rms_norm", &add_rms_norm, "residual add (with an optional norm of the addend) and the next norm");
   m.def("rope_qkv", &rope_qkv, "split a fused QKV output, per-head q/k norms, rotary embedding");

@@ -45,7 +45,7 @@ class QuantizedLinear:
         self.dtype = torch.float32  # what the kernels compute in
         self.packed = None  # (the float Linear's attribute: no oneDNN copy here)
         self._kernels = kernels()
-        self._args = weight.kernel_args()
+        self.args = weight.kernel_args()  # the kernels' weight arguments (a fused MLP passes them on)
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +59,7 @@ class QuantizedLinear:
         if self._kernels is None:
             y = F.linear(x2.float(), dense(self.weight))
         else:
-            y = self._kernels.qlinear(x2, *self._args)
+            y = self._kernels.qlinear(x2, *self.args)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
