@@ -1,7 +1,8 @@
 """Matrix products of the default model's shapes at 1-32 rows: speculum's quantized kernels against
-float (oneDNN-prepacked float32 and bfloat16, as the native runner runs float weights) and torch's
-weight-only int8/int4 CPU kernels; and whole forwards of n rows against llama.cpp's (llama-cpp-python
-decoding an n-token batch on the same GGUF), where llama-cpp-python is installed.
+float (oneDNN-prepacked float32 and bfloat16, as the native runner runs float weights), torch's
+weight-only int8/int4 CPU kernels and llama.cpp's own product (ggml's ``mul_mat`` on the same GGML
+type, :mod:`ggml_products`); and whole forwards of n rows against llama.cpp's (llama-cpp-python
+decoding an n-token batch on the same GGUF). The llama.cpp columns need llama-cpp-python (``make llama``).
 
     .venv/bin/python benchmarks/gguf_kernels.py [--threads 2] [--out bench-out/gguf-kernels.md]
 
@@ -33,7 +34,23 @@ def median_ms(fns: dict, repeats: int) -> dict:
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
-def product_table(model, repeats: int) -> list[str]:
+def _ggml_product(threads: int):
+    """``(rows_out, cols_in, qtype, n) -> callable`` timing llama.cpp's product once, or None without
+    llama-cpp-python."""
+    try:
+        import ggml_products
+        ggml_products.lib()
+    except (ImportError, OSError):
+        return None
+
+    def make(rows_out: int, cols_in: int, qtype: str, n: int):
+        graph = ggml_products._graph(rows_out, cols_in, qtype, n, True)[0]
+        return lambda: ggml_products._compute(graph, threads)
+
+    return make
+
+
+def product_table(model, repeats: int, threads: int) -> list[str]:
     from speculum.runners import runner_for
     from speculum.runners.packed import packed_linear
     from speculum.runners.quantized import QuantLinear, linear_weight
@@ -41,8 +58,9 @@ def product_table(model, repeats: int) -> list[str]:
     dec = runner_for(model, "native").decoder
     layer = dec.layers[0]
     shapes = {"qkv": layer.qkv, "o": layer.o, "gate_up": layer.gate_up, "down": layer.down, "head": dec.head}
-    lines = ["| product (out x in, format) | rows | float32 | bfloat16 | torch int8 | torch int4 | speculum |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    ggml = _ggml_product(threads)
+    lines = [("| product (out x in, format) | rows | float32 | bfloat16 | torch int8 | torch int4 | llama.cpp | "
+              "speculum |"), "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, lin in shapes.items():
         w = linear_weight(lin)  # [out, in] float32, the quantized values
         f32, bf16 = packed_linear(w), packed_linear(w.bfloat16())
@@ -53,10 +71,12 @@ def product_table(model, repeats: int) -> list[str]:
             fns = {"f32": (lambda: f32(x)) if f32 else (lambda: torch.nn.functional.linear(x, w)),
                    "bf16": (lambda: bf16(xb)) if bf16 else (lambda: torch.nn.functional.linear(xb, w.bfloat16())),
                    "int8": lambda: q8(x), "int4": lambda: q4(x), "ours": lambda: lin(x)}
-            t = median_ms(fns, repeats)
             fmt = getattr(getattr(lin, "weight", None), "source", "?")
+            if ggml is not None and "+" not in fmt:  # (a fused matrix of one format: llama.cpp runs its parts)
+                fns["llama"] = ggml(w.shape[0], w.shape[1], fmt, n)
+            t = median_ms(fns, repeats)
             lines.append(f"| {name} ({w.shape[0]} x {w.shape[1]}, {fmt}) | {n} | {t['f32']:.3f} | {t['bf16']:.3f} | "
-                         f"{t['int8']:.3f} | {t['int4']:.3f} | {t['ours']:.3f} |")
+                         f"{t['int8']:.3f} | {t['int4']:.3f} | {t.get('llama', float('nan')):.3f} | {t['ours']:.3f} |")
     return lines
 
 
@@ -113,7 +133,7 @@ def main() -> None:
 
     model, _ = speculum.load("default", weights="gguf")
     lines = [f"CPU flags: {' '.join(cpu_flags())}; kernels: {kernels().isa()}; threads: {args.threads}", ""]
-    lines += product_table(model, args.repeats) + [""]
+    lines += product_table(model, args.repeats, args.threads) + [""]
     lines += forward_table(model, resolve("default")[1], args.threads, args.repeats)
     text = "\n".join(lines)
     print(text)
