@@ -38,9 +38,12 @@ from .packed import packed_linear
 LLAMA_FAMILY = {"llama", "mistral", "qwen2", "qwen3", "smollm3"}
 GEMMA3 = {"gemma3_text"}
 STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}  # inv_freq fixed for all lengths
-# steps of up to this many rows attend through the compiled layer ops (decode and verification; longer
-# prompt chunks take torch's attention, whose blocked kernels are faster there)
+# steps of up to this many rows attend through the compiled layer ops (longer prompt chunks take torch's
+# attention, whose blocked kernels are faster there), and every verification step up to OPS_VERIFY_ROWS
+# (a tree with a drafter's prompt rows): its rows must come out as one-token steps would compute them,
+# bit for bit, since with 8-bit activations a last-bit difference can move a code and then a token
 OPS_ATTENTION_ROWS = 64
+OPS_VERIFY_ROWS = 256
 _EMPTY = torch.empty(0)
 
 
@@ -350,7 +353,8 @@ class NativeDecoder:
             keys = kv.shape[3]
 
         # the compiled attention, which computes each row alone, for decode and verification steps
-        rowwise = (self.ops is not None and isinstance(write, int) and n <= OPS_ATTENTION_ROWS
+        rowwise = (self.ops is not None and isinstance(write, int)
+                   and (n <= OPS_ATTENTION_ROWS or (not last_only and n <= OPS_VERIFY_ROWS))
                    and kv.dtype == torch.float32 and kv.is_contiguous()
                    and all(m is None or (m.dim() == 2 and m.is_contiguous()) for m in masks.values()))
 
@@ -463,11 +467,11 @@ class NativeDecoder:
         cos, sin = rope["sliding_attention" if layer.sliding else "full_attention"]
         norm = layer.input_norm
         x = ops.rms_norm(h.contiguous(), norm.scale32, norm.eps)
-        qkv = layer.qkv(x, floors.qkv)
+        qkv = _product(ops, layer.qkv, x, floors.qkv)
         qn, kn = layer.q_norm, layer.k_norm
         q, k, v = ops.rope_qkv(qkv, cos, sin, s.heads, s.kv_heads, _EMPTY if qn is None else qn.scale32,
                                _EMPTY if kn is None else kn.scale32, 0.0 if qn is None else qn.eps)
-        a = layer.o(attend(i, layer, q, k, v), floors.o)
+        a = _product(ops, layer.o, attend(i, layer, q, k, v), floors.o)
         if layer.pre_mlp_norm is not None:  # Gemma: norms on both sides of each block
             post, nxt = layer.post_attn_norm, layer.pre_mlp_norm
             h, x = ops.add_rms_norm(h, a, post.scale32, post.eps, nxt.scale32, nxt.eps)
@@ -518,3 +522,12 @@ class NativeDecoder:
         soft-capping (:func:`speculum.attention.attention`: folded queries, no repeated KV heads;
         ``explicit`` forces its explicit path)."""
         return attention(q, k, v, mask, self.shape.attn_scale, self.shape.attn_softcap, explicit)
+
+
+def _product(ops, linear, x: torch.Tensor, min_rows: int) -> torch.Tensor:
+    """``linear(x)`` for ``x [n, in]`` float32, straight to the compiled kernels where ``linear`` is a
+    quantized layer without a bias (skipping its wrapper's reshapes and casts)."""
+    args = getattr(linear, "args", None)
+    if args is not None and linear.bias is None:
+        return ops.qlinear(x, *args)
+    return linear(x, min_rows)

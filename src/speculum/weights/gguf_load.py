@@ -13,6 +13,7 @@ are dequantized to float, as transformers would.
 from __future__ import annotations
 
 import logging
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -61,10 +62,11 @@ def load_gguf_quantized(path: Path, config, dtype: torch.dtype):
             order = _row_order(processor, t.name, shape[0])
             identity = bool(torch.equal(order, torch.arange(shape[0])))
             quant[name] = qw if identity else qw.rows(order)  # (a copy only where rows move: Llama's Q, K)
-            continue
-        weights = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
-        weights = processor.process(weights=weights, name=t.name).weights
-        set_module_tensor_to_device(model, name, "cpu", value=torch.from_numpy(np.array(weights)).to(dtype))
+        else:
+            weights = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
+            weights = processor.process(weights=weights, name=t.name).weights
+            set_module_tensor_to_device(model, name, "cpu", value=torch.from_numpy(np.array(weights)).to(dtype))
+        _drop_pages(reader, t)
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta" and n not in quant]
     tied = getattr(config, "tie_word_embeddings", False) or getattr(config, "tie_embeddings", False)
@@ -73,6 +75,22 @@ def load_gguf_quantized(path: Path, config, dtype: torch.dtype):
     if missing:
         raise ValueError(f"{path.name}: no GGUF tensor for {', '.join(missing[:5])}")
     return model, quant
+
+
+def _drop_pages(reader, tensor) -> None:
+    """Let the kernel drop the file pages of ``tensor``'s bytes, now copied: the reader maps the whole
+    file, and pages read stay resident until it is closed, so the load's peak memory would hold the
+    file and its converted copy at once."""
+    mm = getattr(reader.data, "_mmap", None)
+    if mm is None or not hasattr(mm, "madvise"):
+        return
+    start = -(-int(tensor.data_offset) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the tensor
+    end = (int(tensor.data_offset) + int(tensor.n_bytes)) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass
 
 
 def _row_order(processor, name: str, rows: int) -> torch.Tensor:
