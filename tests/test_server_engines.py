@@ -32,7 +32,8 @@ PROMPTS = ["List three colours of the rainbow.", "Name two planets.", "Count fro
 @pytest.fixture(scope="module")
 def server():
     tok, _ = load_tokenizer_and_config("default")
-    pool = EnginePool(EngineConfig(dtype="float32", method="ngram", max_batch=2), 2, Metrics(), max_queue=16)
+    pool = EnginePool(EngineConfig(dtype="float32", method="ngram", max_batch=2, weights="float"), 2, Metrics(),
+                      max_queue=16)
     with serving(ServerState.over_engines(pool, tok, "smollm2", "ngram")) as running:
         yield running
 
