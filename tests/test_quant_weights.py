@@ -288,3 +288,23 @@ def test_quantized_forward_is_row_invariant(kind):
     logits = runner.forward(cache, root, tree).logits
     rows = [0] + [1 + tree.tokens.index(t) for t in toks]
     assert all(torch.equal(logits[r], steps[i]) for i, r in enumerate(rows))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_compiled_layers_equal_the_layer_ops_path(kind, monkeypatch):
+    """A decode or verification step through the compiled layers (``QuantLayer``: one call per layer)
+    gives the same bits as the layer ops called one by one from Python."""
+    from speculum.tree import DraftTree
+
+    runner = NativeRunner(_quantized_tiny(kind, "int4"))
+    prompt, root, toks = list(range(3, 23)), 7, [11, 5, 40, 9]
+
+    def step():
+        cache = runner.new_cache(128)
+        runner.prefill(cache, prompt)
+        return runner.forward(cache, root, DraftTree.chain(toks)).logits
+
+    compiled = step()
+    assert runner.decoder._compiled and all(c is not None for _, c in runner.decoder._compiled.values())
+    monkeypatch.setattr(type(runner.decoder), "_compiled_layer", lambda self, i, layer: None)
+    assert torch.equal(step(), compiled)

@@ -220,6 +220,7 @@ class NativeDecoder:
         self.act = ACT2FN[shape.act]
         # the compiled MLP (layer_ops.cpp) computes these activations: whether it is GELU's tanh form
         self.mlp_gelu = {"silu": False, "gelu_pytorch_tanh": True}.get(shape.act)
+        self._compiled: dict[int, tuple] = {}  # layer index -> (its Layer, its compiled form or None)
         # ``embed``: the table ``[V, D]``, or a quantized one (:class:`~speculum.weights.QuantizedEmbedding`)
         self.quantized = not isinstance(embed, torch.Tensor)
         self.dtype = dtype or embed.dtype
@@ -377,6 +378,9 @@ class NativeDecoder:
                 kv[i, 1].index_copy_(1, write, v.transpose(0, 1))
             return self.attend(q, kv[i, 0, :, :keys], kv[i, 1, :, :keys], masks[layer.sliding], floors is not None)
 
+        if rowwise:  # (the compiled layers read the cache themselves: _layer_ops_forward)
+            attend.rowwise = (kv, write, keys, {sliding: _EMPTY if m is None else m for sliding, m in masks.items()})
+
         return self.forward_with(ids, positions, attend, last_only, hidden_layers, floors or NO_FLOORS,
                                  extra_embeds=extra_embeds)
 
@@ -465,6 +469,11 @@ class NativeDecoder:
         pad only the float products a quantized model may keep: the quantized ones need none.)"""
         s, ops = self.shape, self.ops
         cos, sin = rope["sliding_attention" if layer.sliding else "full_attention"]
+        cache = getattr(attend, "rowwise", None)
+        compiled = self._compiled_layer(i, layer) if cache is not None else None
+        if compiled is not None:
+            kv, write, keys, masks = cache
+            return compiled.step(h, cos, sin, kv, write, keys, masks[layer.sliding])
         norm = layer.input_norm
         x = ops.rms_norm(h.contiguous(), norm.scale32, norm.eps)
         qkv = _product(ops, layer.qkv, x, floors.qkv)
@@ -489,6 +498,33 @@ class NativeDecoder:
         h, _ = ops.add_rms_norm(h, m, _EMPTY if post is None else post.scale32, 0.0 if post is None else post.eps,
                                 _EMPTY, 0.0)
         return h
+
+    def _compiled_layer(self, i: int, layer: Layer):
+        """Layer ``i`` as one compiled call (``layer_ops.cpp`` ``QuantLayer``: the calls of
+        :meth:`_layer_ops_forward`, in its order), built on first use; None where a product is not a
+        plain quantized one or the activation has no compiled form."""
+        held = self._compiled.get(i)
+        if held is not None and held[0] is layer:
+            return held[1]
+        products = (layer.qkv, layer.o, layer.gate_up, layer.down)
+        compiled = None
+        if self.mlp_gelu is not None and all(getattr(p, "args", None) is not None and p.bias is None
+                                             for p in products):
+            s, qn, kn = self.shape, layer.q_norm, layer.k_norm
+            if layer.pre_mlp_norm is not None:  # Gemma: norms on both sides of each block
+                post, nxt = layer.post_attn_norm, layer.pre_mlp_norm
+                post_scale, post_eps = post.scale32, post.eps
+            else:
+                nxt, post_scale, post_eps = layer.post_attn_norm, _EMPTY, 0.0
+            pm = layer.post_mlp_norm
+            compiled = self.ops.QuantLayer(
+                layer.input_norm.scale32, layer.input_norm.eps, layer.qkv.args, s.heads, s.kv_heads,
+                _EMPTY if qn is None else qn.scale32, _EMPTY if kn is None else kn.scale32,
+                0.0 if qn is None else qn.eps, i, s.attn_scale, s.attn_softcap or 0.0, layer.o.args, post_scale,
+                nxt.scale32, post_eps, nxt.eps, layer.gate_up.args, layer.down.args, self.mlp_gelu,
+                _EMPTY if pm is None else pm.scale32, 0.0 if pm is None else pm.eps)
+        self._compiled[i] = (layer, compiled)
+        return compiled
 
     def logits(self, h: torch.Tensor, min_rows: int = 1) -> torch.Tensor:
         """Final norm, head and soft-capping: ``h [n, D]`` -> ``[n, V]`` (``min_rows``: see :class:`Linear`)."""

@@ -396,9 +396,58 @@ torch::Tensor mlp(torch::Tensor x, const QuantArgs& gate_up, const QuantArgs& do
   return product(gated_act(product(x, gate_up), gelu), down);
 }
 
+// One decoder layer on quantized weights for decode and verification steps, its static parts (norm scales,
+// weights, shape) held once: the same calls as the decoder's compiled layer path, in the same order (so
+// the same bits), without a Python round trip between them.
+struct QuantLayer {
+  torch::Tensor in_scale;
+  double in_eps;
+  QuantArgs qkv;
+  int64_t heads, kv_heads;
+  torch::Tensor q_scale, k_scale;  // per-head norms, or empty
+  double qk_eps;
+  int64_t layer;                   // its index in the cache
+  double scale, softcap;
+  QuantArgs o;
+  torch::Tensor post_attn, pre_mlp;  // Gemma: both; Llama: post_attn empty, pre_mlp its post-attention norm
+  double post_attn_eps, pre_mlp_eps;
+  QuantArgs gate_up, down;
+  bool gelu;
+  torch::Tensor post_mlp;  // Gemma's, or empty
+  double post_mlp_eps;
+
+  // h [n, D] -> the layer's output [n, D]; cos, sin [n, d] of its rotary kind; keys and values written
+  // into kv at slots write ..; mask as attend_cache's
+  torch::Tensor step(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor kv, int64_t write,
+                     int64_t keys, torch::Tensor mask) const {
+    auto product = [](const torch::Tensor& in, const QuantArgs& w) {
+      return qlinear(in, std::get<0>(w), std::get<1>(w), std::get<2>(w), std::get<3>(w), std::get<4>(w),
+                     std::get<5>(w));
+    };
+    h = h.contiguous();
+    auto [q, k, v] = rope_qkv(product(rms_norm(h, in_scale, in_eps), qkv), cos, sin, heads, kv_heads, q_scale, k_scale,
+                              qk_eps);
+    auto a = attend_cache(q, k, v, kv, layer, write, keys, mask, scale, softcap);
+    auto [h2, x] = add_rms_norm(h, product(a, o), post_attn, post_attn_eps, pre_mlp, pre_mlp_eps);
+    auto out = add_rms_norm(h2, mlp(x, gate_up, down, gelu), post_mlp, post_mlp_eps, torch::empty({0}, h.options()), 0.0);
+    return std::get<0>(out);
+  }
+};
+
 }  // namespace
 
 void register_layer_ops(pybind11::module& m) {
+  pybind11::class_<QuantLayer>(m, "QuantLayer")
+      .def(pybind11::init([](torch::Tensor in_scale, double in_eps, QuantArgs qkv, int64_t heads, int64_t kv_heads,
+                             torch::Tensor q_scale, torch::Tensor k_scale, double qk_eps, int64_t layer, double scale,
+                             double softcap, QuantArgs o, torch::Tensor post_attn, torch::Tensor pre_mlp,
+                             double post_attn_eps, double pre_mlp_eps, QuantArgs gate_up, QuantArgs down, bool gelu,
+                             torch::Tensor post_mlp, double post_mlp_eps) {
+             return QuantLayer{in_scale, in_eps, qkv, heads, kv_heads, q_scale, k_scale, qk_eps, layer, scale, softcap,
+                               o, post_attn, pre_mlp, post_attn_eps, pre_mlp_eps, gate_up, down, gelu, post_mlp,
+                               post_mlp_eps};
+           }))
+      .def("step", &QuantLayer::step, "one decode or verification step of the layer");
   m.def("mlp", &mlp, "a quantized gated MLP (fused gate-up product, SiLU or GELU-tanh gate, down product)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   m.def("add_rms_norm", &add_rms_norm, "residual add (with an optional norm of the addend) and the next norm");

@@ -6,10 +6,9 @@
 llama.cpp does and multiply codes in integers (a product within ``d/2 * sum|w|`` per block of the
 float product, ``d`` the block's activation scale). Every row is rounded and computed alone, so a
 row's result does not depend on how many rows share the call and the reproducible mode needs no
-padding (``min_rows`` is ignored); prompt chunks run the same kernels, so a prompt's keys and values
-do not depend on how it was chunked either. Where the kernels cannot be built, the layer runs
-``F.linear`` on the weight dequantized to float once (float activations: the same weights, another
-rounding).
+padding (``min_rows`` is ignored); prompt chunks run the same kernels. Where the kernels cannot be
+built, the layer runs ``F.linear`` on the weight dequantized to float once (float activations: the
+same weights, another rounding).
 """
 
 from __future__ import annotations
