@@ -36,7 +36,8 @@ DTYPE_HELP = ("the activations' dtype (and the weights' with --weights float): a
               "quantized weights; else bfloat16 on a GPU or on a CPU with bfloat16 instructions, AVX-512 BF16 or "
               "AMX, float32 on other CPUs, where bfloat16 is emulated and slower), bfloat16, float32 or float16")
 WEIGHTS_HELP = ("which weights the model runs: 'gguf' (a GGUF file's own quantization, on speculum's quantized "
-                "kernels: the bytes llama.cpp reads), 'float' (dequantized to --dtype; what transformers and "
+                "kernels, which round the activations to 8 bits per block as llama.cpp does: the bytes and the "
+                "arithmetic of llama.cpp), 'float' (dequantized to --dtype; what transformers and "
                 "the hf methods run), 'int8' or 'int4' (a float model quantized at load time) or 'auto' "
                 "(default: gguf for a GGUF file on a CPU, else float). Quantized weights are another model: "
                 "speculative output equals that model's greedy output, not the float model's")

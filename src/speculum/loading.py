@@ -3,7 +3,8 @@
 ``weights`` picks what the model *is*:
 
 - ``gguf``: a GGUF file's own quantization, kept (:mod:`speculum.weights.gguf_load`); the matrices run
-  on speculum's quantized kernels, so a step reads about as many bytes as llama.cpp's;
+  on speculum's quantized kernels, which round the activations to 8 bits per block of 32 as llama.cpp
+  does, so a step reads about as many bytes as llama.cpp's and computes as it does;
 - ``float``: the weights dequantized to ``dtype`` (what transformers loads);
 - ``int8`` / ``int4``: a float model quantized at load time (:mod:`speculum.weights.quantize_model`);
 - ``auto`` (the default): ``gguf`` for a GGUF file on a CPU whose architecture the native runner runs,
