@@ -488,8 +488,7 @@ class NativeDecoder:
             nxt = layer.post_attn_norm
             h, x = ops.add_rms_norm(h, a, _EMPTY, 0.0, nxt.scale32, nxt.eps)
         gu, down = layer.gate_up, layer.down
-        if (self.mlp_gelu is not None and getattr(gu, "args", None) is not None and gu.bias is None
-                and getattr(down, "args", None) is not None and down.bias is None):
+        if self.mlp_gelu is not None and _kernel_args(gu) is not None and _kernel_args(down) is not None:
             m = ops.mlp(x, gu.args, down.args, self.mlp_gelu)  # (quantized products: no row floors)
         else:
             gate, up = gu(x, floors.gate_up).chunk(2, dim=-1)
@@ -508,8 +507,7 @@ class NativeDecoder:
             return held[1]
         products = (layer.qkv, layer.o, layer.gate_up, layer.down)
         compiled = None
-        if self.mlp_gelu is not None and all(getattr(p, "args", None) is not None and p.bias is None
-                                             for p in products):
+        if self.mlp_gelu is not None and all(_kernel_args(p) is not None for p in products):
             s, qn, kn = self.shape, layer.q_norm, layer.k_norm
             if layer.pre_mlp_norm is not None:  # Gemma: norms on both sides of each block
                 post, nxt = layer.post_attn_norm, layer.pre_mlp_norm
@@ -560,10 +558,15 @@ class NativeDecoder:
         return attention(q, k, v, mask, self.shape.attn_scale, self.shape.attn_softcap, explicit)
 
 
+def _kernel_args(linear) -> tuple | None:
+    """The compiled kernels' weight arguments of ``linear`` where it is a plain quantized layer (a
+    :class:`~speculum.weights.QuantizedLinear` without a bias), else None."""
+    args = getattr(linear, "args", None)
+    return args if args is not None and linear.bias is None else None
+
+
 def _product(ops, linear, x: torch.Tensor, min_rows: int) -> torch.Tensor:
     """``linear(x)`` for ``x [n, in]`` float32, straight to the compiled kernels where ``linear`` is a
-    quantized layer without a bias (skipping its wrapper's reshapes and casts)."""
-    args = getattr(linear, "args", None)
-    if args is not None and linear.bias is None:
-        return ops.qlinear(x, *args)
-    return linear(x, min_rows)
+    plain quantized layer (skipping its wrapper's reshapes and casts)."""
+    args = _kernel_args(linear)
+    return ops.qlinear(x, *args) if args is not None else linear(x, min_rows)
