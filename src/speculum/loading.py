@@ -23,6 +23,7 @@ import torch
 
 from .errors import SpeculumError
 from .models import load_float, load_tokenizer_and_config, parse_dtype, resolve
+from .process_memory import return_freed_memory
 from .runners.decoder import unsupported_reason
 
 WEIGHT_CHOICES = ("auto", "gguf", "float", "int8", "int4")
@@ -94,6 +95,7 @@ def load(model: str = "default", dtype: str | torch.dtype | None = None, device:
                 from None
         lm.speculum_quant = quant
         tokenizer = tokenizer or tok
+        return_freed_memory()  # the conversion's and the file reader's temporaries
     else:
         from .weights.quantize_model import quantize_model
 

@@ -15,7 +15,6 @@ document).
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import statistics
@@ -31,6 +30,7 @@ from ..drafters.kv_draft import KVDraftDrafter, kv_draft_options
 from ..engine import Engine
 from ..errors import SpeculumError
 from ..kv import Budget, make_policy
+from ..process_memory import return_freed_memory
 from ..prompts import has_chat_template
 from ..runners import runner_for
 from .ruler import TASKS, LongTask, make_task, string_match_all
@@ -101,17 +101,6 @@ class LongRecord:
     decode_tok_s: float
     output: str
     time_s: float = 0.0  # prefill + decode, wall
-
-
-def return_freed_memory() -> None:
-    """Make freed memory leave the process, so that one run's leftovers do not count in the next
-    run's peak: glibc keeps freed heap memory resident (and raises its mmap threshold after large
-    frees, so more of it lands on the heap); ``malloc_trim`` hands every free page back (glibc only)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def reset_peak_rss() -> bool:

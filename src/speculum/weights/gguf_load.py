@@ -13,13 +13,13 @@ are dequantized to float, as transformers would.
 from __future__ import annotations
 
 import logging
-import mmap
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from .formats import QuantWeight, from_gguf
+from .gguf_tensors import GGUFTensors
 
 log = logging.getLogger(__name__)
 
@@ -34,25 +34,21 @@ def load_gguf_quantized(path: Path, config, dtype: torch.dtype):
     from accelerate import init_empty_weights
     from accelerate.utils import set_module_tensor_to_device
     from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    reader = gguf.GGUFReader(str(path))
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    reader = GGUFTensors(path)
+    arch = reader.architecture
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)  # GGUF name -> transformers name
+    names = gguf_to_hf_names(model, processor, arch)
     quant: dict[str, QuantWeight] = {}
     for t in reader.tensors:
         name = names.get(t.name)
         if name is None:
             continue
         qtype = t.tensor_type.name
-        shape = [int(x) for x in reversed(t.shape)]  # GGUF lists the fastest dimension first
+        shape = list(t.shape)
         qw = None
         if qtype not in FLOAT_TYPES and len(shape) == 2:
             qw = from_gguf(t.data, qtype, shape[0], shape[1])
@@ -66,7 +62,7 @@ def load_gguf_quantized(path: Path, config, dtype: torch.dtype):
             weights = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape)
             weights = processor.process(weights=weights, name=t.name).weights
             set_module_tensor_to_device(model, name, "cpu", value=torch.from_numpy(np.array(weights)).to(dtype))
-        _drop_pages(reader, t)
+        reader.drop_pages(t)
     model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.device.type == "meta" and n not in quant]
     tied = getattr(config, "tie_word_embeddings", False) or getattr(config, "tie_embeddings", False)
@@ -77,20 +73,31 @@ def load_gguf_quantized(path: Path, config, dtype: torch.dtype):
     return model, quant
 
 
-def _drop_pages(reader, tensor) -> None:
-    """Let the kernel drop the file pages of ``tensor``'s bytes, now copied: the reader maps the whole
-    file, and pages read stay resident until it is closed, so the load's peak memory would hold the
-    file and its converted copy at once."""
-    mm = getattr(reader.data, "_mmap", None)
-    if mm is None or not hasattr(mm, "madvise"):
-        return
-    start = -(-int(tensor.data_offset) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the tensor
-    end = (int(tensor.data_offset) + int(tensor.n_bytes)) // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > start:
-        try:
-            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
-        except (OSError, ValueError):
-            pass
+def gguf_to_hf_names(model: torch.nn.Module, processor, arch: str) -> dict[str, str]:
+    """``{GGUF tensor name: transformers parameter name}`` for ``model``, a ``*ForCausalLM`` of the GGUF
+    architecture ``arch``: gguf's standard tensor names, the processor's renaming and fallbacks, as
+    transformers' ``get_gguf_hf_weights_map`` maps them for a causal LM (which also walks every
+    submodule for checkpoints converted from a base model, rebuilding gguf's name table at each: seconds
+    for a 30-layer model, none of it needed here)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch_id = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
+    if arch_id is None:
+        raise NotImplementedError(f"gguf has no tensor names for architecture {arch!r}")
+    table = get_tensor_name_map(arch_id, model.config.num_hidden_layers)
+    names: dict[str, str] = {}
+    for hf_name in model.state_dict():
+        hf_name = processor.preprocess_name(hf_name)
+        stem, suffix = hf_name, ""
+        if hf_name.endswith((".weight", ".bias")):
+            stem, suffix = hf_name.rsplit(".", 1)
+            suffix = "." + suffix
+        gguf_name = table.get_name(stem)
+        if gguf_name is None:
+            processor.perform_fallback_tensor_mapping(names, suffix, "", hf_name)
+        else:
+            names[gguf_name + suffix] = hf_name
+    return names
 
 
 def _row_order(processor, name: str, rows: int) -> torch.Tensor:
