@@ -16,6 +16,7 @@ from speculum.cache import StaticKVCache
 from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.engine import Engine
 from speculum.errors import SpeculumError
+from speculum.methods import build_method
 from speculum.runners import HFRunner, NativeDecoder, NativeRunner, runner_for, use_runner
 from speculum.tree import DraftTree
 
@@ -216,7 +217,6 @@ def test_runner_selection():
                                         ("llama", torch.bfloat16)])
 def test_release_model_weights(kind, dtype):
     """Dropping transformers' copies of the layer weights changes no output; the hf paths then refuse."""
-    from speculum.methods import build_method
     from speculum.runners import packed_linear, release_model_weights
 
     model = _tiny(kind, seed=7).to(dtype)
@@ -349,3 +349,20 @@ def test_attention_over_a_nearly_full_buffer_spans_it(kind, monkeypatch):
     drafter = OracleDrafter(prompt + ref, TINY_VOCAB, max_len=8, shape="tree", seed=5)
     assert Engine(runner, drafter, max_tree=8).generate(prompt, 48).tokens == ref
     assert taken, "no step was spanned"
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_hf_compiled_decodes_as_hf(kind):
+    """``hf_compiled`` (transformers' static cache, compiled on a GPU) gives plain ``hf``'s greedy output."""
+
+    class Tokenizer:  # what transformers' generate and the method read of one
+        pad_token_id, eos_token_id = None, TINY_VOCAB - 1
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    model = _tiny(kind)
+    prompt = list(range(3, 40))
+    ref = build_method("hf", model, Tokenizer()).run(prompt, 16)
+    out = build_method("hf_compiled", model, Tokenizer()).run(prompt, 16)
+    assert out.tokens == ref.tokens and len(out.tokens) > 4

@@ -40,7 +40,7 @@ from .tree_sizing import CostModel, TreeSizer
 ENGINE_METHODS = tuple(DRAFTERS)
 # drafters whose trees carry scores: the engine sizes them to the hardware's calibrated cost curve
 SIZED_METHODS = tuple(name for name, entry in DRAFTERS.items() if entry.scored)
-HF_METHODS = ("hf", "hf_pld", "hf_assisted")
+HF_METHODS = ("hf", "hf_pld", "hf_assisted", "hf_compiled")
 LLAMA_METHODS = ("llama_cpp", "llama_cpp_lookup")
 METHODS = ENGINE_METHODS + HF_METHODS + LLAMA_METHODS
 DRAFT_MODEL_METHODS = tuple(name for name, entry in DRAFTERS.items() if entry.needs_draft_model)
@@ -67,8 +67,13 @@ class HFMethod:
     """transformers ``generate`` as a reference; counts target forward passes with a hook."""
 
     def __init__(self, name: str, model, tokenizer, assistant=None, assistant_tokenizer=None,
-                 prompt_lookup: int | None = None):
+                 prompt_lookup: int | None = None, static_cache: bool = False):
+        """``static_cache``: transformers' static KV cache (sized to a power of two, at least 256 slots,
+        so that few shapes occur), with which ``generate`` compiles the decoding forward
+        (``torch.compile``, CUDA graphs) on a GPU: transformers' fastest path there. On a CPU
+        ``generate`` does not compile it."""
         self.name, self.model, self.tokenizer = name, model, tokenizer
+        self.static_cache = static_cache
         self.assistant, self.assistant_tokenizer, self.prompt_lookup = assistant, assistant_tokenizer, prompt_lookup
         self.eos_ids = default_eos_ids(model, tokenizer)
         self._calls = 0
@@ -124,6 +129,11 @@ class HFMethod:
         if seed is not None:
             torch.manual_seed(seed)
         device = next(self.model.parameters()).device
+        if self.static_cache:
+            from transformers import StaticCache
+
+            slots = max(256, 1 << (len(prompt_ids) + max_new_tokens - 1).bit_length())
+            kwargs["past_key_values"] = StaticCache(config=self.model.config, max_cache_len=slots)
         ids = torch.tensor([list(prompt_ids)], device=device)
         self._calls, self._first_done = 0, None
         hook = self.model.register_forward_hook(self._count)
@@ -330,7 +340,7 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
             other = not same_tokenizer(tokenizer, draft_tokenizer)  # universal assisted decoding
             return HFMethod(name, model, tokenizer, assistant=draft_model,
                             assistant_tokenizer=draft_tokenizer if other else None)
-        return HFMethod(name, model, tokenizer)
+        return HFMethod(name, model, tokenizer, static_cache=name == "hf_compiled")
     entry = DRAFTERS[name]
     max_tree = options.pop("max_tree", entry.max_tree)
     sized = options.pop("sized", entry.scored)
