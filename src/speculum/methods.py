@@ -45,6 +45,7 @@ LLAMA_METHODS = ("llama_cpp", "llama_cpp_lookup")
 METHODS = ENGINE_METHODS + HF_METHODS + LLAMA_METHODS
 DRAFT_MODEL_METHODS = tuple(name for name, entry in DRAFTERS.items() if entry.needs_draft_model)
 NEEDS_DRAFT = DRAFT_MODEL_METHODS + ("hf_assisted",)
+STATIC_CACHE_SLOTS = 2048  # hf_compiled's static cache, at least
 
 
 class EngineMethod:
@@ -68,10 +69,10 @@ class HFMethod:
 
     def __init__(self, name: str, model, tokenizer, assistant=None, assistant_tokenizer=None,
                  prompt_lookup: int | None = None, static_cache: bool = False):
-        """``static_cache``: transformers' static KV cache (sized to a power of two, at least 256 slots,
-        so that few shapes occur), with which ``generate`` compiles the decoding forward
-        (``torch.compile``, CUDA graphs) on a GPU: transformers' fastest path there. On a CPU
-        ``generate`` does not compile it."""
+        """``static_cache``: transformers' static KV cache of 2048 slots (the next power of two for a
+        longer request: one shape, so one compilation, serves most requests), with which ``generate``
+        compiles the decoding forward (``torch.compile``, CUDA graphs) on a GPU: transformers' fastest
+        path there. On a CPU ``generate`` does not compile it."""
         self.name, self.model, self.tokenizer = name, model, tokenizer
         self.static_cache = static_cache
         self.assistant, self.assistant_tokenizer, self.prompt_lookup = assistant, assistant_tokenizer, prompt_lookup
@@ -132,7 +133,7 @@ class HFMethod:
         if self.static_cache:
             from transformers import StaticCache
 
-            slots = max(256, 1 << (len(prompt_ids) + max_new_tokens - 1).bit_length())
+            slots = max(STATIC_CACHE_SLOTS, 1 << (len(prompt_ids) + max_new_tokens - 1).bit_length())
             kwargs["past_key_values"] = StaticCache(config=self.model.config, max_cache_len=slots)
         ids = torch.tensor([list(prompt_ids)], device=device)
         self._calls, self._first_done = 0, None
