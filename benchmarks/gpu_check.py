@@ -37,8 +37,8 @@ HFC_METHODS = "hf_compiled,ar"
 F32_METHODS = "ar,ngram,mix,eagle,medusa,auto"
 # TinyLlama-1.1B's shape
 LLAMA_1B = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
-                "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048,
-                "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+             "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048,
+             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
 TARGETS = {  # the acceptance points
     "auto_vs_ar": 1.3, "eagle_vs_ar": 1.1, "ar_tok_s": 800.0, "auto_vs_hf_compiled": 4.0, "llama1b_ar_tok_s": 700.0,
 }
