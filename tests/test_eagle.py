@@ -332,3 +332,64 @@ def test_eagle_fullvocab_is_lossless(tmp_path):
     ar = build_method("ar", model, None)
     for p in prompts(12):
         assert full.run(p, 40).tokens == ar.run(p, 40).tokens
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("trimmed", [False, True], ids=["full_vocab", "trimmed_vocab"])
+def test_device_tree_equals_ar(make, trimmed, tmp_path):
+    """The tree grown on the device in fixed shapes (:mod:`speculum.drafters.device_tree`, CUDA's
+    default, run eagerly here) keeps ``ar``'s output, an end token among the drafts included; its
+    head cache and growth are kept across requests."""
+    model = make()
+    path = random_head(model, tmp_path / "h.safetensors", trimmed, scale=8.0)
+    runner = NativeRunner(model)
+    drafter = EagleDrafter(model, path, top_k=4, depth=4, max_nodes=24, device_tree=True)
+    for eos in ([], [7]):
+        ar = Engine(runner, EagleDrafter(model, path, top_k=1, depth=1, max_nodes=0), eos_token_ids=eos)
+        eagle = Engine(runner, drafter, eos_token_ids=eos)
+        drafted = 0
+        for p in prompts(3, n=2):
+            got = eagle.generate(p, 40)
+            assert got.tokens == ar.generate(p, 40).tokens
+            drafted += sum(s.drafted for s in got.steps)
+        assert drafted > 0
+    assert drafter._device is not None and drafter._device.capture is False
+
+
+def test_fixed_shape_step_computes_the_drafting_step():
+    """``step_static`` (fixed shapes, a masked bucket of the cache) equals ``step`` on the same pairs."""
+    from speculum.heads import HeadCache
+
+    torch.manual_seed(0)
+    cfg = EagleConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128)
+    head = EagleHead(cfg).eval().freeze()
+    feats, embeds = torch.randn(9, 64), torch.randn(9, 64)
+    with torch.no_grad():
+        cache = HeadCache(cfg, 32, torch.float32, torch.device("cpu"))
+        head.step(feats[:6], embeds[:6], torch.arange(6), cache, torch.ones(6, 6, dtype=torch.bool).tril())
+        cache.commit()
+        visible = torch.tensor([[1, 0, 1], [0, 1, 1], [0, 0, 1]], dtype=torch.bool)
+        want = head.step(feats[6:], embeds[6:], torch.tensor([6, 7, 7]), cache,
+                         torch.cat([torch.ones(3, 6, dtype=torch.bool), visible], 1))
+        keys, values = cache.k.clone(), cache.v.clone()
+        keys[:, 6:], values[:, 6:] = 5.0, -5.0  # stale entries where the rows are written
+        mask = torch.zeros(3, 16, dtype=torch.bool)
+        mask[:, :6] = True
+        mask[:, 6:9] = visible
+        got = head.step_static(feats[6:], embeds[6:], torch.tensor([6, 7, 7]), keys, values,
+                               torch.tensor([6, 7, 8]), mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_tree_graphs_equal_ar(tmp_path):
+    """On a GPU the device growth replays captured CUDA graphs, and the output is still ``ar``'s."""
+    model = tiny_llama().cuda()
+    path = random_head(model, tmp_path / "h.safetensors", True, scale=8.0)
+    runner = NativeRunner(model)
+    drafter = EagleDrafter(model, path, top_k=4, depth=4, max_nodes=24)
+    ar = Engine(runner, EagleDrafter(model, path, top_k=1, depth=1, max_nodes=0), eos_token_ids=[])
+    eagle = Engine(runner, drafter, eos_token_ids=[])
+    for p in prompts(3, n=2):
+        assert eagle.generate(p, 40).tokens == ar.generate(p, 40).tokens
+    assert drafter._device.capture and drafter._device.graphs

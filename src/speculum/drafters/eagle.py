@@ -16,6 +16,11 @@ there hang under it and drafting stops. Copied text then costs one head forward,
 ``full_vocab`` drafts through the target's whole LM head even where the head was trained with a
 trimmed one (``eagle_fullvocab``: what the trimming saves).
 
+``device_tree`` (default: on CUDA devices) grows the greedy tree on the device in fixed shapes, as
+EAGLE's reference implementation does, captured as one CUDA graph per cache bucket and read back
+once per step (:mod:`speculum.drafters.device_tree`); the host growth reads the head's top-k back
+after every depth. The lookup in the text then runs once, after the last depth.
+
 Sampled requests draft a chain, each token drawn from the head's own distribution q (the request's
 temperature / top-k / top-p applied to the draft logits), q attached for the verifier's ``min(1, p/q)``.
 With a trimmed draft vocabulary, q is zero outside it: still exact.
@@ -32,10 +37,12 @@ from ..heads import HeadCache, head_for_target
 from ..tree import DraftTree
 from ..weights import model_device
 from .base import Drafter
+from .device_tree import DeviceTreeGrowth
 from .dynamic_tree import DynamicTree
 from .text_lookup import TextLookup
 
 CATCH_UP_CHUNK = 512  # pairs per head forward while catching up (a prompt's)
+DEVICE_CACHE_SLOTS = 1024  # the device growth's head cache, at least (a power of two, kept across requests)
 
 
 class EagleDrafter(TextLookup, Drafter):
@@ -43,7 +50,7 @@ class EagleDrafter(TextLookup, Drafter):
 
     def __init__(self, target: torch.nn.Module, draft_head: str | Path | None = None, top_k: int = 8,
                  depth: int = 6, max_nodes: int = 48, min_path_prob: float = 0.02, full_vocab: bool = False,
-                 lookup: int = 8):
+                 lookup: int = 8, device_tree: bool | None = None):
         self.head, self.tables, self.path = head_for_target(target, "eagle", draft_head, full_vocab)
         self.dtype, self.device = self.tables.embed.dtype, model_device(target)
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
@@ -53,13 +60,46 @@ class EagleDrafter(TextLookup, Drafter):
         self.top_k, self.depth, self.max_nodes = top_k, depth, max_nodes
         self.min_path_prob = min_path_prob
         self.init_lookup(lookup)
+        if device_tree is None:
+            device_tree = self.device.type == "cuda"
+        # the device growth needs the float LM head's rows (a quantized head runs on the CPU's kernels)
+        self.device_tree = device_tree and self.tables.quantized is None and top_k > 0
+        self._device: DeviceTreeGrowth | None = None  # its state and graphs, kept across requests
+        self._device_cache: HeadCache | None = None
+
+    def fork(self):
+        twin = super().fork()
+        twin._device, twin._device_cache = None, None  # a request of its own: its own cache and graphs
+        return twin
 
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
-        self.cache = HeadCache(self.head.config, len(prompt_ids) + 512, self.dtype, self.device)
+        self.cache = self._new_cache(len(prompt_ids) + 512)
         self.unseen: list[torch.Tensor] = []  # [m, D] (fused: [m, layers * D]) states of cached tokens not yet read
         self.fed = 0  # pairs committed to the head's cache: (f_t, x_{t+1}) for t < fed
         self.lost = False  # features went missing (cannot happen through the engine): draft nothing
+
+    def _new_cache(self, slots: int) -> HeadCache:
+        """A head cache of at least ``slots`` entries; with the device growth, the one it keeps (its
+        graphs read the buffers), emptied, or a larger one."""
+        if not self.device_tree:
+            return HeadCache(self.head.config, slots, self.dtype, self.device)
+        c = self._device_cache
+        if c is None or c.k.shape[1] < slots:
+            size = max(DEVICE_CACHE_SLOTS, 1 << (slots - 1).bit_length())
+            c = self._device_cache = HeadCache(self.head.config, size, self.dtype, self.device)
+        c.committed = c.used = 0
+        return c
+
+    def _growth(self) -> DeviceTreeGrowth:
+        """The device growth over the current cache's buffers (made anew where they changed: a
+        request outgrew them) and this request's end tokens."""
+        d = self._device
+        if d is None or d.keys is not self.cache.k or d.end_ids != self.end_ids:
+            d = self._device = DeviceTreeGrowth(self.head, self.tables, self.cache.k, self.cache.v, self.top_k,
+                                                self.depth, self.end_ids)
+            self._device_cache = self.cache
+        return d
 
     def see_hidden(self, hidden: dict[int, torch.Tensor]) -> None:
         self.unseen.append(torch.cat([hidden[i] for i in self.hidden_layers], dim=-1))
@@ -131,6 +171,12 @@ class EagleDrafter(TextLookup, Drafter):
     def _tree(self, root_feat: torch.Tensor, root_pos: int, budget: int, tokens: list[int]) -> DraftTree:
         c = self.cache
         room = min(self.max_nodes, budget)
+        if self.device_tree and self.depth > 1 and self._growth().fits(c.used):
+            growth = self._growth()
+            grow = growth.grow(root_feat, root_pos, c.used)
+            self.look_up_under(grow, growth.last_level(grow), tokens, room)
+            made = sum(score > float("-inf") for score in grow.scores)  # -inf: children of an end token
+            return grow.result(min(room, made))
         grow = DynamicTree(self.top_k, self.min_path_prob, self.end_ids)
         slot: dict[int, int] = {}  # node -> its entry in the head's cache (expanded nodes)
         anc: dict[int, list[int]] = {-1: []}  # node -> cache slots of its expanded ancestors

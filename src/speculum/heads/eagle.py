@@ -189,10 +189,25 @@ class EagleHead(AttentionHead):
         written to ``cache``'s slots ``cache.used .. cache.used + n - 1``; row ``i`` attends the slots
         where ``visible [n, cache.used + n]`` is True. Returns predicted features ``[n, D]``, the
         same function as :meth:`forward`'s."""
+        return self._drafting_layer(feats, embeds, positions,
+                                    lambda qkv, rope: cached_attention(qkv, self.config, rope, cache, visible))
+
+    def step_static(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """:meth:`step` in fixed shapes, with nothing read back to the host (what a CUDA graph can
+        capture): ``n`` pairs written to the cache buffers ``keys, values [H_kv, C, d]`` at ``slots [n]``
+        (a tensor); row ``i`` attends the first ``Kb`` slots where ``visible [n, Kb]`` holds. Returns
+        predicted features ``[n, D]``."""
+        return self._drafting_layer(feats, embeds, positions,
+                                    lambda qkv, rope: static_attention(qkv, self.config, rope, keys, values, slots,
+                                                                       visible))
+
+    def _drafting_layer(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend):
+        """The drafting-time layer around ``attend(qkv [n, (H + 2 H_kv) d], (cos, sin)) -> [n, H d]``."""
         c, fast = self.config, self._fast
         h = fast["fc"](torch.cat((embeds, feats), dim=-1))
         qkv = fast["qkv"](F.rms_norm(h, (c.hidden,), self.input_norm.weight, c.eps) if self.normed_input else h)
-        h = h + fast["o"](cached_attention(qkv, c, self.rope(positions, h.dtype), cache, visible))
+        h = h + fast["o"](attend(qkv, self.rope(positions, h.dtype)))
         gate, up = fast["gate_up"](F.rms_norm(h, (c.hidden,), self.post_norm.weight, c.eps)).chunk(2, dim=-1)
         return h + fast["down"](F.silu(gate) * up)
 
@@ -212,6 +227,22 @@ def cached_attention(qkv: torch.Tensor, c: EagleConfig, rope: tuple[torch.Tensor
     cache.used = at + n
     attn = F.scaled_dot_product_attention(q, cache.k[:, :at + n], cache.v[:, :at + n], attn_mask=visible,
                                           enable_gqa=True)
+    return attn.transpose(0, 1).reshape(n, c.heads * c.head_dim)
+
+
+def static_attention(qkv: torch.Tensor, c: EagleConfig, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+                     values: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """:func:`cached_attention` in fixed shapes: the rows' keys and values go to ``slots [n]`` of
+    ``keys, values [H_kv, C, d]`` and row ``i`` attends the first ``Kb`` slots where ``visible [n, Kb]``
+    holds. Returns ``[n, H d]``."""
+    n = qkv.shape[0]
+    qkv = qkv.view(n, c.heads + 2 * c.kv_heads, c.head_dim).transpose(0, 1)  # [H + 2 H_kv, n, d]
+    q, k, v = qkv.split((c.heads, c.kv_heads, c.kv_heads))
+    q, k = _rotate(q, *rope), _rotate(k, *rope)
+    keys.index_copy_(1, slots, k)
+    values.index_copy_(1, slots, v)
+    kb = visible.shape[1]
+    attn = F.scaled_dot_product_attention(q, keys[:, :kb], values[:, :kb], attn_mask=visible, enable_gqa=True)
     return attn.transpose(0, 1).reshape(n, c.heads * c.head_dim)
 
 
