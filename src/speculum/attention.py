@@ -42,7 +42,7 @@ MATH_ATTENTION_MIN_ROWS = 8
 # long context) on a CPU; BENCHMARKS.md ("The attention kernel's range") has the measurements
 MATH_ATTENTION_KEYS_PER_THREAD = 2048
 # the math path's float32 scores are computed in pieces of at most this many bytes (prefill chunks
-# over long contexts): past a few MB the softmax passes leave the cache and run 3-4x slower
+# over long contexts): past a few MB the softmax passes leave the CPU's cache and run slower
 SCORE_BLOCK_BYTES = 4 << 20
 # a step over the first slots of a KV buffer attends over the whole buffer (the rest masked) when
 # at most 1/SPAN_SLACK of it lies beyond them (see capacity_span)
@@ -224,14 +224,14 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None
     -> ``[..., R, L]``."""
     if not k.is_contiguous():
         # a cache's view up to its length (spare capacity beyond it): matmul takes a slow strided
-        # path for its transpose, 3-4x the cost of copying the keys first (decode-sized queries)
+        # path for its transpose, dearer than copying the keys first (decode-sized queries)
         k = k.contiguous()
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)  # a fresh tensor: in place from here
     if softcap is not None:
         scores = scores.div_(softcap).tanh_().mul_(softcap)
     if mask is not None:
         if _broadcasts_into(mask.shape, scores.shape):
-            scores = scores.add_(mask)  # in place: a mixed-dtype out-of-place add is ~7x slower here
+            scores = scores.add_(mask)  # in place: a mixed-dtype out-of-place add is much slower here
         else:
             scores = scores + mask
     return scores
@@ -243,7 +243,7 @@ def use_math_attention(rows: int, device: torch.device, keys: int = 0) -> bool:
     blocks, it runs about twice as fast as SDPA's CPU flash kernel), and for any rows over a long
     context (from :data:`MATH_ATTENTION_KEYS_PER_THREAD` keys per kernel thread), where SDPA's flash
     kernel, which splits a few query rows over the KV heads only, is slower than two matrix products
-    (1.19x the math path's forward at 8k keys on two threads, 1.25x at 4k on one)."""
+    (BENCHMARKS.md, "The attention kernel's range")."""
     if device.type != "cpu":
         return False
     return rows >= MATH_ATTENTION_MIN_ROWS or keys >= MATH_ATTENTION_KEYS_PER_THREAD * torch.get_num_threads()
@@ -255,9 +255,8 @@ def capacity_span(keys: int, capacity: int, rows: int, device: torch.device) -> 
 
     On a CPU's math path (:func:`use_math_attention` for ``rows`` folded rows) a slice of the
     buffer is not contiguous, and its keys and values are copied before the two matrix products,
-    in every layer; the whole buffer is contiguous. At 8,000 cached tokens (SmolLM2, bfloat16, 2
-    threads) a one-token forward runs 1.10x faster without the copy, a 7-token one 1.03x, and
-    full-cache decoding 1.14x (BENCHMARKS.md, "Decode core: no copied KV slices"). Taken where at most
+    in every layer; the whole buffer is contiguous (BENCHMARKS.md, "Decode core: no copied KV
+    slices", measures the gain). Taken where at most
     ``1/SPAN_SLACK`` of the buffer lies beyond ``keys``, so that the masked slots cost less than
     the copy. The slots past ``keys`` must hold finite numbers (the caches zero their buffers)."""
     return keys < capacity and (capacity - keys) * SPAN_SLACK <= keys and use_math_attention(rows, device, keys)

@@ -41,7 +41,7 @@ from .constrain.matcher import Grammar, compile_constraint
 from .drafters.base import Drafter
 from .errors import SpeculumError
 from .penalties import Penalties
-from .result import GenerationResult, StepStats
+from .result import FinishReason, GenerationResult, StepStats
 from .runners import PolicyRunner, runner_for
 from .sampling import SamplingParams
 from .stops import Stops, cut_at_stop
@@ -193,11 +193,11 @@ class Decoding:
         self.cache = cache if cache is not None else self.runner.new_cache(
             len(prompt) + max_new_tokens + engine.max_tree + 1)
         self.to_prefill = len(prompt) - 1 - self.cache.length  # prompt[:-1] goes to the cache first
-        # setting up (a new cache is allocated and zeroed: ~40 ms for 8k tokens of SmolLM2) is time
-        # before the first token, counted with the prefill, not with decoding
+        # setting up (a new cache is allocated and zeroed) is time before the first token, counted
+        # with the prefill, not with decoding
         self.prefill_s = time.perf_counter() - self.t0
         self.tokens, self.generated, self.steps = list(prompt), [], []
-        self.reason: str | None = None
+        self.reason: FinishReason | None = None
         self.started = False  # prefilled and the drafter reset
         self.prompt_hidden: list[dict[int, torch.Tensor]] = []  # prefill chunks' hidden states, for the drafter
         self.scored = False  # whether this step's drafted tree came with node scores (before shaping)
@@ -299,12 +299,12 @@ class Decoding:
     def cancel(self) -> None:
         """End the request early (its client went away); :meth:`finish` still reports what was made."""
         if self.reason is None:
-            self.reason = "cancelled"
+            self.reason = FinishReason.CANCELLED
 
     def finish(self) -> GenerationResult:
         """The result; the drafter learns from the whole request (cross-request drafters)."""
         self.drafter.finish(self.tokens)
-        reason = self.reason or "cancelled"
+        reason = self.reason or FinishReason.CANCELLED
         return GenerationResult(len(self.prompt), self.generated, self.stops.final_text(self.generated, reason),
                                 reason, time.perf_counter() - self.t0, self.prefill_s, len(self.steps),
                                 self.steps, self.cache.peak_bytes)

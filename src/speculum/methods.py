@@ -32,6 +32,7 @@ from .drafters import DRAFTERS
 from .drafters.draft_model import check_same_tokenizer, same_tokenizer
 from .engine import Engine, GenerationResult, default_eos_ids
 from .errors import SpeculumError
+from .result import FinishReason
 from .runners import Runner, runner_for, weights_released
 from .sampling import SamplingParams
 from .stops import Stops, cut_at_stop
@@ -146,12 +147,12 @@ class HFMethod:
         finally:
             hook.remove()
         new = out[0, ids.shape[1]:].tolist()
-        reason = "eos" if new and new[-1] in self.eos_ids else "length"
-        if grammar is not None and processor.closed and reason == "eos":
-            reason = "closed"
+        reason = FinishReason.EOS if new and new[-1] in self.eos_ids else FinishReason.LENGTH
+        if grammar is not None and processor.closed and reason == FinishReason.EOS:
+            reason = FinishReason.CLOSED
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         if stop and cut_at_stop(text, stop) != text:
-            reason = "stop"
+            reason = FinishReason.STOP
             text = cut_at_stop(text, stop)
         if on_tokens is not None:
             on_tokens(new)
@@ -259,7 +260,7 @@ class LlamaCppMethod:
             if reason is not None:
                 break
         elapsed = time.perf_counter() - t0
-        reason = reason or "length"
+        reason = reason or FinishReason.LENGTH
         prefill_s = self._first_done - t0 if self._first_done is not None else 0.0
         return GenerationResult(len(prompt), generated, stops.final_text(generated, reason), reason, elapsed,
                                 prefill_s, self._evals)

@@ -3,6 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    """Why a generation ended (a string too: it compares equal to, and serializes as, its value)."""
+
+    EOS = "eos"  # an end-of-sequence token
+    LENGTH = "length"  # the requested number of new tokens
+    STOP = "stop"  # a stop string (cut from the text)
+    CONTEXT = "context"  # the model's context is full
+    CLOSED = "closed"  # the budget closer ended a grammar-constrained output validly
+    CANCELLED = "cancelled"  # the caller stopped it
+    ERROR = "error"  # the batch it ran in failed
 
 
 @dataclass
@@ -24,7 +37,7 @@ class GenerationResult:
     prompt_tokens: int
     tokens: list[int]  # generated token ids (an EOS that ended generation included)
     text: str  # generated text, stop string excluded
-    finish_reason: str  # "eos" | "length" | "stop" | "context" | "closed"
+    finish_reason: FinishReason
     time_s: float  # prefill + decode wall time
     prefill_s: float
     forwards: int  # target forward passes that produced tokens (engine: one per step)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .errors import SpeculumError
+from .result import FinishReason
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:
@@ -39,42 +40,42 @@ class Stops:
         return self.tokenizer.decode(tokens, skip_special_tokens=True) if self.tokenizer else ""
 
     def extend(self, generated: list[int], tokens: list[int], step: list[int], closed: bool = False
-               ) -> tuple[list[int], str | None]:
+               ) -> tuple[list[int], FinishReason | None]:
         """Append a step's verified tokens to ``generated`` (the output) and ``tokens`` (prompt + output),
         cut where a stop falls. Returns ``(the tokens kept, the finish reason or None)``; ``closed``:
         the budget closer ended the output (an end token then reports ``"closed"``)."""
         before = len(generated)
         generated.extend(step)
         keep, reason = self._check(generated, before)
-        if closed and reason == "eos":
-            reason = "closed"
+        if closed and reason == FinishReason.EOS:
+            reason = FinishReason.CLOSED
         if keep > self.max_new_tokens:
-            keep, reason = self.max_new_tokens, "length"
+            keep, reason = self.max_new_tokens, FinishReason.LENGTH
         elif reason is None and keep == self.max_new_tokens:
-            reason = "length"
+            reason = FinishReason.LENGTH
         del generated[keep:]
         new = generated[before:]
         tokens.extend(new)
         if reason is None and len(tokens) >= self.max_length:
-            reason = "context"
+            reason = FinishReason.CONTEXT
         return new, reason
 
-    def _check(self, generated: list[int], new_from: int) -> tuple[int, str | None]:
+    def _check(self, generated: list[int], new_from: int) -> tuple[int, FinishReason | None]:
         """``(keep, reason)``: keep ``generated[:keep]``; reason is None when nothing stops."""
         for i in range(new_from, len(generated)):
             if generated[i] in self.eos_ids:
                 generated_upto = i + 1
-                return self._stop_in(generated[:generated_upto], new_from) or (generated_upto, "eos")
+                return self._stop_in(generated[:generated_upto], new_from) or (generated_upto, FinishReason.EOS)
         return self._stop_in(generated, new_from) or (len(generated), None)
 
-    def _stop_in(self, generated: list[int], new_from: int) -> tuple[int, str] | None:
+    def _stop_in(self, generated: list[int], new_from: int) -> tuple[int, FinishReason] | None:
         if not self.stop or not self._tail_has_stop(generated, new_from):
             return None
         # found: the shortest prefix whose text contains a stop string (it ends inside the new tokens)
         for k in range(max(new_from, 1), len(generated) + 1):
             t = self.text(generated[:k])
             if any(s in t for s in self.stop):
-                return k, "stop"
+                return k, FinishReason.STOP
         return None
 
     def _tail_has_stop(self, generated: list[int], new_from: int) -> bool:
@@ -96,6 +97,6 @@ class Stops:
                 return any(s in tail for s in self.stop)
             window *= 2
 
-    def final_text(self, generated: list[int], reason: str) -> str:
+    def final_text(self, generated: list[int], reason: FinishReason | None) -> str:
         text = self.text(generated)
-        return cut_at_stop(text, self.stop) if reason == "stop" else text
+        return cut_at_stop(text, self.stop) if reason == FinishReason.STOP else text

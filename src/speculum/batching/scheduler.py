@@ -32,6 +32,7 @@ import torch
 from ..cache import SlotCache
 from ..engine import Decoding, Engine, GenerationResult, step
 from ..errors import SpeculumError
+from ..result import FinishReason
 from ..sampling import SamplingParams
 from ..tree_sizing import TreeSizer
 from .prefix_cache import PrefixCache
@@ -231,7 +232,7 @@ class Batcher:
 
     def _fail(self, r: BatchRequest, e: Exception, started: bool = True) -> None:
         if started and r.decoding is not None:
-            r.decoding.reason = r.decoding.reason or "error"
+            r.decoding.reason = r.decoding.reason or FinishReason.ERROR
         r.cancelled = True
         if r.on_error is not None:
             r.on_error(e)
@@ -248,7 +249,7 @@ class Batcher:
                 keep.append(r)
                 continue
             self._pool(r.engine.runner).release(d.cache)
-            if d.reason != "error" and not r.cancelled:
+            if d.reason != FinishReason.ERROR and not r.cancelled:
                 result = d.finish()
                 if r.on_done is not None:
                     r.on_done(result)

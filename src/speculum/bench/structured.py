@@ -42,6 +42,7 @@ from ..engine import default_eos_ids
 from ..errors import SpeculumError
 from ..methods import build_method
 from ..prompts import encode_prompt
+from ..result import FinishReason
 from ..runners import runner_for
 
 PROMPT = ("Reply with one JSON object that follows this JSON schema, with realistic values. "
@@ -64,7 +65,7 @@ class StructuredRecord:
     new_tokens: int
     forwards: int
     time_s: float
-    finish_reason: str
+    finish_reason: FinishReason
     valid: bool
     mask_s: float
     forced: int
@@ -212,7 +213,7 @@ def run_structured(model, tokenizer, cases: list[SchemaCase], methods: list[str]
                 bar.set_postfix_str(f"{case.id[-24:]}:{m}{'+json' if constrained else ''}")
                 r = built[m].run(ids, max_new_tokens, grammar=grammar if constrained else None)
                 stats = r.to_dict()
-                valid = r.finish_reason in ("eos", "closed") and is_valid(r.text, case.schema)
+                valid = r.finish_reason in (FinishReason.EOS, FinishReason.CLOSED) and is_valid(r.text, case.schema)
                 records.append(StructuredRecord(m, case.id, constrained, r.new_tokens, r.forwards, r.time_s,
                                                 r.finish_reason, valid, stats["time_mask_s"], stats["forced"],
                                                 r.prefill_s))
@@ -243,8 +244,8 @@ def summarize_structured(records: list[StructuredRecord], methods: list[str]) ->
         out[m] = {
             "schemas": len(con),
             "valid": round(sum(r.valid for r in con) / len(con), 4),
-            "finished": round(sum(r.finish_reason == "eos" for r in con) / len(con), 4),
-            "closed": round(sum(r.finish_reason == "closed" for r in con) / len(con), 4),
+            "finished": round(sum(r.finish_reason == FinishReason.EOS for r in con) / len(con), 4),
+            "closed": round(sum(r.finish_reason == FinishReason.CLOSED for r in con) / len(con), 4),
             "valid_unconstrained": round(sum(r.valid for r in unc) / len(unc), 4) if unc else None,
             "decode_tok_s": round(dec_c, 3) if dec_c else None,
             "decode_tok_s_unconstrained": round(dec_u, 3) if dec_u else None,

@@ -14,7 +14,8 @@ keeps float32 greedy output token-identical to the Hugging Face runner.
 
 Shapes use ``n`` new tokens, ``D`` hidden size, ``H`` query heads, ``H_kv`` KV heads, ``g = H /
 H_kv``, ``d`` head dim, ``C`` cache capacity and ``L`` visible key slots. There is no batch axis:
-the engine decodes one sequence.
+a batch of sequences is one forward over their tokens laid end to end, each attending its own cache
+(:mod:`speculum.runners.batched`).
 
 The attention itself (masks, grouped-query folding, rotary embedding) is :mod:`speculum.attention`'s;
 where keys and values are stored is the caller's (:meth:`NativeDecoder.forward_with`'s ``attend``).

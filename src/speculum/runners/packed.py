@@ -3,8 +3,7 @@
 ``torch.ops.mkldnn._linear_pointwise`` on weights reordered once into oneDNN's blocked layout is
 several times faster than ``F.linear`` for the 1-64 token inputs that decoding and verification
 feed: in bfloat16 always, in float32 above all for 2 or 3 rows, where ``F.linear`` runs a slow
-unblocked kernel (SmolLM2's float32 LM head: 23 ms for two rows against 5.4 ms packed; one row
-9.9 against 4.8 ms). BENCHMARKS.md has the measurements. The packed copy costs one more copy of
+unblocked kernel. BENCHMARKS.md ("Decode core: float32 linears prepacked") has the measurements. The packed copy costs one more copy of
 the weights in memory unless it replaces the plain one. ``SPECULUM_PACKED_LINEAR=0`` disables it.
 """
 
@@ -16,7 +15,7 @@ import torch
 
 from ..models import cpu_runs_bfloat16
 
-# oneDNN's call costs ~15 us more than F.linear's: in float32 packing pays from about this many
+# oneDNN's call costs a few microseconds more than F.linear's: in float32 packing pays from about this many
 # weights (a 1024 x 256 matrix breaks even; a 576 x 576 one gains for 2+ rows, loses for one)
 MIN_FLOAT32_PACKED = 1 << 19
 

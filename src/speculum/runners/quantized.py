@@ -99,8 +99,7 @@ class DraftNorm:
     """An :class:`~speculum.runners.decoder.RMSNorm` as one kernel, for a draft's layers:
     ``x / rms(x) * w`` is layer normalization over ``[x, -x]`` (mean zero, variance ``mean(x^2)``)
     with the weight ``[w, 0]``, the first half kept. On a CPU ``F.rms_norm`` runs as several
-    kernels: one row of SmolLM2 takes ~15 us through it and ~7 us through this, and a draft
-    forward has 61 norms. Rounded differently from the target's norm: a draft's numbers only
+    kernels, and a draft forward has one norm per layer and a half. Rounded differently from the target's norm: a draft's numbers only
     propose. ``x [..., D]`` -> ``[..., D]`` (a view into a ``[..., 2D]`` result)."""
 
     def __init__(self, norm: RMSNorm):
@@ -133,8 +132,8 @@ class TrimmedHead:
 
     ``vocab [K]`` token ids (the frequent ones: a shipped head's draft vocabulary) are quantized
     once; :meth:`with_tokens` adds a request's own tokens (its prompt, which long-context answers
-    copy) in a second, small product. SmolLM2's int4 head over 49,152 tokens costs ~0.8 ms a draft
-    forward, over 8,192 and a 2,900-token prompt's ~0.2. The draft proposes only tokens it covers;
+    copy) in a second, small product: a draft forward's head costs in proportion to the tokens it
+    covers. The draft proposes only tokens it covers;
     the target's verification keeps the output exact (and a sampled draft's ``q`` is zero
     elsewhere, as the verifier expects).
     """

@@ -36,6 +36,7 @@ from ..errors import SpeculumError
 from ..kv import make_policy
 from ..methods import DRAFT_MODEL_METHODS, ENGINE_METHODS, build_method
 from ..prompts import encode_messages
+from ..result import FinishReason
 from ..runners import NativeRunner, runner_for
 from ..sampling import SamplingParams
 from ..text_stream import StreamingText
@@ -47,8 +48,9 @@ from .worker import Job, QueueFull, Worker
 
 SERVABLE_METHODS = tuple(m for m in ENGINE_METHODS if m not in DRAFT_MODEL_METHODS)
 MAX_POLICY_METHODS = 8  # KV-policy variants of its methods a tenant keeps built (ServerState.get_method)
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length",
-          "closed": "length"}  # the budget closer ended a cut-off output validly
+# OpenAI's finish reasons; the budget closer ended a cut-off output validly
+FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
+          FinishReason.CONTEXT: "length", FinishReason.CLOSED: "length"}
 
 
 class ServerState:

@@ -4,10 +4,8 @@ process (data parallelism on one machine, as vLLM's ``--data-parallel-size``).
 
 Why, on a CPU: a forward's kernels spread over several threads stall whenever another process
 takes one of their cores (each parallel region waits for its slowest thread), and the HTTP side
-and the clients always take some. Measured on the 2-core development machine (bfloat16, `auto`,
-mixed Spec-Bench prompts, 64 new tokens): one engine on 2 kernel threads made 143 tok/s alone and
-83 tok/s while another process used ~10% of one core; two single-threaded engines made ~220
-tok/s together where one made 119. An engine on one thread loses only the CPU time taken from it.
+and the clients always take some; an engine on one thread loses only the CPU time taken from it.
+BENCHMARKS.md ("Serving: engine processes") has the measurements.
 
 Requests are dispatched when an engine has a free batch slot, to the engine running the fewest
 (on a tie, the one that served the request's tenant last, whose drafters and prefix cache know
