@@ -51,9 +51,9 @@ def _ggml_product(threads: int):
 
 
 def product_table(model, repeats: int, threads: int) -> list[str]:
+    from speculum.drafting.quantized_copy import QuantLinear, linear_weight
     from speculum.runners import runner_for
     from speculum.runners.packed import packed_linear
-    from speculum.runners.quantized import QuantLinear, linear_weight
 
     dec = runner_for(model, "native").decoder
     layer = dec.layers[0]

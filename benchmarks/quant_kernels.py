@@ -8,8 +8,8 @@ import time
 
 import torch
 
+from speculum.drafting.quantized_copy import QuantLinear
 from speculum.runners.packed import packed_linear
-from speculum.runners.quantized import QuantLinear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 

@@ -16,15 +16,21 @@ from speculum.drafters import DRAFTERS
 from speculum.drafters.dynamic_tree import DynamicTree
 from speculum.drafters.kv_draft import kv_draft_options
 from speculum.drafters.ngram import NgramDrafter
+from speculum.drafting import self_forward as self_draft_runner
+from speculum.drafting.quantized_copy import (
+    DraftNorm,
+    QuantLinear,
+    TrimmedHead,
+    linear_weight,
+    quantized_head,
+)
+from speculum.drafting.self_forward import page_bounds
 from speculum.engine import Engine
 from speculum.errors import SpeculumError
 from speculum.kv import make_policy
 from speculum.methods import build_method
 from speculum.runners import NativeRunner
-from speculum.runners import self_draft as self_draft_runner
 from speculum.runners.decoder import Linear, RMSNorm
-from speculum.runners.quantized import DraftNorm, QuantLinear, TrimmedHead, linear_weight, quantized_head
-from speculum.runners.self_draft import page_bounds
 from speculum.tree_sizing import CostModel
 
 # (drafter, options): every self-drafter and its variants; kv_draft's window is far shorter than the sequences

@@ -2,7 +2,7 @@
 Liu et al. 2024).
 
 The draft model is the target's own first ``exit_layer`` layers (run natively over a KV buffer of
-their own, :class:`~speculum.runners.subset.LayerSubset`), the adapter
+their own, :class:`~speculum.drafting.layer_subset.LayerSubset`), the adapter
 (:mod:`speculum.heads.kangaroo`) and the target's LM head (trimmed to the draft vocabulary when
 the head was trained with one). Each step it first feeds the tokens committed since the last step,
 the root included, through the layers and the adapter (committed to both caches); the root's
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
+from ..drafting.layer_subset import LayerSubset
 from ..errors import SpeculumError
 from ..heads import HeadCache, head_for_target
 from ..runners import runner_for
-from ..runners.subset import LayerSubset
 from ..tree import DraftTree
 from .base import Drafter
 from .dynamic_tree import DynamicTree

@@ -2,7 +2,7 @@
 (TriForce, Sun et al. 2024; MagicDec, Chen et al. 2024).
 
 The full KV cache is kept and verifies every token; the draft is the same model reading only part
-of it (:class:`~speculum.runners.self_draft.DraftView`):
+of it (:class:`~speculum.drafting.self_forward.DraftView`):
 
 - ``streaming``: StreamingLLM's first ``sink`` and last ``window`` (512) entries (Xiao et al. 2024);
 - ``snapkv``: those (``window`` 256), and on full-attention layers ``selected`` (512) entries per KV
@@ -29,10 +29,10 @@ from __future__ import annotations
 
 import torch
 
+from ..drafting.quantized_copy import quantized_layers
+from ..drafting.self_forward import DraftView, SelfDraft
 from ..errors import SpeculumError
 from ..options import parse_named
-from ..runners.quantized import quantized_layers
-from ..runners.self_draft import DraftView, SelfDraft
 from .self_draft import SelfDrafter
 
 KV_DRAFT_POLICIES = ("streaming", "snapkv", "quest")

@@ -2,8 +2,8 @@
 Zhao et al. 2024, drafts with low-precision weights of the same model).
 
 The copy's linear layers and LM head are quantized to int4 (groups of 32, the default) or int8
-(per channel) (:mod:`speculum.runners.quantized`); embeddings, norms and the attention itself are
-the target's. It drafts over the target's own KV cache (:mod:`speculum.runners.self_draft`), so the
+(per channel) (:mod:`speculum.drafting.quantized_copy`); embeddings, norms and the attention itself are
+the target's. It drafts over the target's own KV cache (:mod:`speculum.drafting.self_forward`), so the
 context it reads is the full-precision one and nothing is prefilled twice. Drafting is
 :class:`~speculum.drafters.self_draft.SelfDrafter`'s: a chain with a confidence stop, or a dynamic
 tree with ``top_k > 1``; a chain that has occurred earlier in the text ends with the ``lookup`` (8)
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..runners.quantized import quantized_layers
-from ..runners.self_draft import SelfDraft
+from ..drafting.quantized_copy import quantized_layers
+from ..drafting.self_forward import SelfDraft
 from .self_draft import SelfDrafter
 
 

@@ -1,5 +1,5 @@
 """The drafting loop every self-drafter shares (``swift``, ``quant_self``, ``kv_draft``): the target's
-own decoder, with something taken away (:class:`~speculum.runners.self_draft.SelfDraft`), drafts
+own decoder, with something taken away (:class:`~speculum.drafting.self_forward.SelfDraft`), drafts
 over the target's KV cache.
 
 Each step the root runs first (the committed tokens are already in the target's cache: there is
@@ -23,7 +23,7 @@ each looked-up token proposed with certainty (q a point mass on it: accepted wit
 probability p of it, as a model-free draft is).
 
 A quantized draft's LM head covers part of the vocabulary where one is known
-(:class:`~speculum.runners.quantized.TrimmedHead`, ``trim``): the frequent tokens of a head shipped
+(:class:`~speculum.drafting.quantized_copy.TrimmedHead`, ``trim``): the frequent tokens of a head shipped
 for the target plus each request's prompt tokens.
 
 A subclass sets ``self.model`` (or overrides :meth:`model_for`), its head from :meth:`draft_head`.
@@ -35,12 +35,12 @@ import copy
 
 import torch
 
+from ..drafting.quantized_copy import TrimmedHead, quantized_head
+from ..drafting.self_forward import SelfDraft, check_plain_cache
 from ..errors import SpeculumError
 from ..heads import shipped_draft_vocab
 from ..runners import runner_for
 from ..runners.decoder import NativeDecoder
-from ..runners.quantized import TrimmedHead, quantized_head
-from ..runners.self_draft import SelfDraft, check_plain_cache
 from ..tree import DraftTree
 from .base import Drafter
 from .dynamic_tree import DynamicTree

@@ -2,7 +2,7 @@
 the fly (SWIFT, Xia et al. 2025, "SWIFT: On-the-Fly Self-Speculative Decoding for LLM Inference
 Acceleration"). No training, no extra weights.
 
-The draft runs the kept layers over the target's own KV cache (:mod:`speculum.runners.self_draft`);
+The draft runs the kept layers over the target's own KV cache (:mod:`speculum.drafting.self_forward`);
 a skipped layer passes its input through. Drafting is :class:`~speculum.drafters.self_draft.SelfDrafter`'s:
 a chain stopped where the drafted token's probability falls below ``exit_confidence`` (SWIFT's
 confidence-aware drafting), or a dynamic tree with ``top_k > 1``.
@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..drafting.self_forward import SelfDraft
 from ..errors import SpeculumError
-from ..runners.self_draft import SelfDraft
 from .self_draft import SelfDrafter
 
 SKIP_RATIOS = (0.2, 0.3, 0.4, 0.5)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from ..attention import grouped, in_window
-from .decoder import NativeDecoder
+from ..runners.decoder import NativeDecoder
 
 
 class LayerSubset:

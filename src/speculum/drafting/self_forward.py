@@ -40,7 +40,7 @@ from ..cache import KVCache
 from ..cache.positioned import PositionedKVCache
 from ..cache.static import StaticKVCache
 from ..errors import SpeculumError
-from .decoder import Layer, NativeDecoder
+from ..runners.decoder import Layer, NativeDecoder
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def check_plain_cache(cache: KVCache, decoder: NativeDecoder, who: str) -> None:
 
 class SelfDraft:
     """The target's decoder, with ``layers`` only (default all; indices into ``decoder.layers``),
-    optionally other ``weights`` per layer (quantized copies, :mod:`speculum.runners.quantized`) and
+    optionally other ``weights`` per layer (quantized copies, :mod:`speculum.drafting.quantized_copy`) and
     another ``head`` (``[n, D]`` final-norm output -> ``[n, V]``), reading ``view`` of the committed
     entries.
 

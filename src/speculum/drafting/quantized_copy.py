@@ -22,7 +22,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from .decoder import Layer, Linear, NativeDecoder, RMSNorm
+from ..runners.decoder import Layer, Linear, NativeDecoder, RMSNorm
 
 GROUP = 32  # int4 group size along the input channels
 QUANT_BITS = (4, 8)
