@@ -218,7 +218,7 @@ def test_longctx_writes_results(tmp_path, capsys):
 def test_bench_tasks_keeps_only_those_tasks():
     """``bench --tasks`` filters every Spec-Bench workload, MT-bench's categories under one name."""
     from speculum.bench.data import demo_prompts_path, load_prompts
-    from speculum.cli import _only_tasks
+    from speculum.cli.bench import only_tasks as _only_tasks
     from speculum.errors import SpeculumError
 
     prompts = load_prompts(demo_prompts_path())

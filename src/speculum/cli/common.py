@@ -1,0 +1,82 @@
+"""What the subcommands share: the model and runner options, sampling, loading."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_runner_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runner", choices=["auto", "native", "hf"], default="auto",
+                   help="what runs the model's forwards for speculum's own methods: 'native' (speculum's "
+                        "decoder for Llama-family and Gemma-3 models: static KV cache, CUDA graphs on GPU), "
+                        "'hf' (transformers' modules, any causal LM) or 'auto' (native where supported; "
+                        "default). The hf* baselines always run transformers' generate.")
+
+
+DTYPE_HELP = ("the activations' dtype (and the weights' with --weights float): auto (default: float32 with "
+              "quantized weights; else bfloat16 on a GPU or on a CPU with bfloat16 instructions, AVX-512 BF16 or "
+              "AMX, float32 on other CPUs, where bfloat16 is emulated and slower), bfloat16, float32 or float16")
+WEIGHTS_HELP = ("which weights the model runs: 'gguf' (a GGUF file's own quantization, on speculum's quantized "
+                "kernels, which round the activations to 8 bits per block as llama.cpp does: the bytes and the "
+                "arithmetic of llama.cpp), 'float' (dequantized to --dtype; what transformers and "
+                "the hf methods run), 'int8' or 'int4' (a float model quantized at load time) or 'auto' "
+                "(default: gguf for a GGUF file on a CPU, else float). Quantized weights are another model: "
+                "speculative output equals that model's greedy output, not the float model's")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct, packaged), 'gemma3' (Gemma-3-270M base, packaged), "
+                        "a .gguf file, a local Hugging Face directory or a hub id (default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
+    p.add_argument("--weights", default="auto", choices=["auto", "gguf", "float", "int8", "int4"],
+                   help=WEIGHTS_HELP)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model for the draft_model and hf_assisted methods (same tokenizer as --model)")
+    p.add_argument("--draft-head", default=None, type=head_files, metavar="FILE[,FILE...]",
+                   help=HEAD_HELP)
+    add_runner_arg(p)
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="apply the tokenizer's chat template (default when it has one)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="feed the prompt as raw text")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide positive logits (multiply negative ones) of tokens already in the prompt or "
+                        "output by this (transformers' and vLLM's; default 1.0 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times a token's count in the output from its logit (OpenAI's, -2..2; "
+                        "default 0 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logit of every token already in the output (OpenAI's, -2..2; "
+                        "default 0 = off)")
+
+
+HEAD_HELP = ("trained head files for the learned drafters (eagle, medusa, hydra, kangaroo, ppd), from `speculum train-draft`, "
+             "comma-separated, each used for its kind (default: the heads speculum ships for --model, if any)")
+
+
+def head_files(text: str) -> tuple[str, ...]:
+    """``--draft-head a.safetensors,b.safetensors`` -> the file names."""
+    files = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not files:
+        raise argparse.ArgumentTypeError("give at least one head file")
+    return files
+
+
+def sampling_params(args):
+    from ..sampling import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty,
+                          args.frequency_penalty, args.presence_penalty)
+
+
+def load_for(args, methods: list[str], prompt: str | None = None):
+    from ..methods import load_checked
+
+    return load_checked(args.model, methods, args.draft_model, args.dtype, args.device, args.runner, prompt,
+                        args.chat, weights=args.weights)
