@@ -25,7 +25,6 @@ from pathlib import Path
 import torch
 
 from .models import cache_dir, write_atomic
-from .runners import RunnerBase
 from .tree import DraftTree
 from .tree_sizing import CostModel, best_size
 from .verify import greedy_tokens
@@ -56,7 +55,7 @@ def calibration_key(runner) -> str:
     cfg = runner.config.to_json_string(use_diff=False)
     parts = [str(FORMAT), cfg, str(runner.dtype), str(runner.device), _machine(), torch.__version__,
              transformers.__version__, os.environ.get("SPECULUM_PACKED_LINEAR", "1"), type(runner).__name__,
-             getattr(runner, "variant", "")]
+             runner.variant]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
@@ -98,7 +97,7 @@ def measure(runner, token_counts=TOKEN_COUNTS, contexts=None, repeats: int = REP
     if bar is not None:
         bar.close()
     cost = CostModel(list(token_counts), contexts, seconds)
-    if hasattr(runner, "new_pool") and type(runner).new_pool is not RunnerBase.new_pool:
+    if runner.batched_forward:
         cost.sequences, cost.rows, cost.batch_context = list(BATCH_SIZES), list(BATCH_ROWS), BATCH_CONTEXT
         cost.batch_seconds = measure_batches(runner, rng, vocab, repeats, progress)
     return cost

@@ -223,7 +223,7 @@ class Decoding:
         """The next at most ``limit`` prompt tokens to prefill (all that are left when ``whole``, or
         when the runner prefills only whole prompts: a KV policy's)."""
         at = self.cache.length
-        if whole or not getattr(self.runner, "chunked_prefill", True):
+        if whole or not self.runner.chunked_prefill:
             limit = self.to_prefill
         return self.prompt[at:at + min(limit, self.to_prefill)]
 

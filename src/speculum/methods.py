@@ -348,7 +348,7 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
     sized = options.pop("sized", entry.scored)
     chains_only = options.pop("chains_only", False)
     runner = runner or runner_for(model)
-    if getattr(runner, "fixed_rows", None) is not None:
+    if runner.fixed_rows is not None:
         sized = False  # every step costs the same up to fixed_rows: nothing to size (and no calibration)
     if entry.needs_draft_model:
         options["draft_model"] = draft_model

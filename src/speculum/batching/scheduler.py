@@ -82,14 +82,14 @@ class Batcher:
         self.pool = runner.new_pool(max_batch)
         self._pools = {runner: self.pool}  # runner -> its cache pool (side runners: KV policies')
         self.prefix_cache, self.sizer = prefix_cache, sizer
-        self.fused_prefill = fused_prefill and getattr(runner, "chunked_prefill", True)
+        self.fused_prefill = fused_prefill and runner.chunked_prefill
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []
 
     def submit(self, request: BatchRequest) -> None:
         """Queue ``request``; it starts at a later :meth:`step` once a slot is free."""
         runner = request.engine.runner
-        if runner is not self.runner and getattr(runner, "inner", None) is not self.runner:
+        if runner is not self.runner and runner.inner is not self.runner:
             raise SpeculumError("a batched request must use the batcher's runner, or a KV policy's runner over it")
         self.waiting.append(request)
 

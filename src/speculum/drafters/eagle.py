@@ -126,8 +126,7 @@ class EagleDrafter(TextLookup, Drafter):
         c.reserve(c.used + n + self.top_k * (1 + self.top_k * self.depth))
         ids = torch.tensor(tokens[self.fed + 1:], device=self.device)
         feats = feats.to(self.dtype)
-        if self.head.config.fuse_layers:
-            feats = self.head._fast["fuse"](self.head.normalized_states(feats))
+        feats = self.head.drafting_features(feats)
         for lo in range(0, n, CATCH_UP_CHUNK):  # a long prompt in pieces: the mask is [rows, keys]
             m = min(CATCH_UP_CHUNK, n - lo)
             visible = torch.ones(m, c.used + m, dtype=torch.bool, device=self.device)

@@ -183,6 +183,13 @@ class EagleHead(AttentionHead):
             self._fast["fuse"] = self.fast(self.fuse.weight)
         return self
 
+    def drafting_features(self, states: torch.Tensor) -> torch.Tensor:
+        """:meth:`input_features` while drafting (after :meth:`freeze`): the target's hidden states of
+        the fused layers ``[n, len(fuse_layers) * D]`` -> ``[n, D]``; others as they are."""
+        if not self.config.fuse_layers:
+            return states
+        return self._fast["fuse"](self.normalized_states(states))
+
     def step(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, cache: HeadCache,
              visible: torch.Tensor) -> torch.Tensor:
         """Drafting (after :meth:`freeze`): ``n`` pairs (``feats, embeds [n, D]`` at ``positions [n]``)

@@ -52,6 +52,12 @@ class Runner(Protocol):
     dtype: torch.dtype
     max_positions: int  # the model's context: a prompt must be shorter
     max_length: int  # the longest sequence (prompt + output) this runner can decode
+    # capabilities (RunnerBase's defaults; a runner that has one says so):
+    chunked_prefill: bool  # prefill may be called again with the next part of a prompt
+    batched_forward: bool  # forward_batch runs its sequences as one forward (else one after another)
+    fixed_rows: int | None  # every verification step padded to this many rows (the reproducible mode)
+    variant: str  # how its forwards run beyond the model, dtype and device (part of the calibration key)
+    inner: Runner | None  # the runner this one wraps (a KV policy's), or None
 
     def new_cache(self, capacity: int) -> KVCache: ...
 
@@ -87,6 +93,10 @@ class RunnerBase:
     prefill_chunk: int = 256
     chunked_prefill: bool = True  # prefill may be called again with the next part of a prompt
     prompt_rows: bool = False  # whether :meth:`forward` runs a tree's prompt rows (else it leaves them out)
+    batched_forward: bool = False  # forward_batch: one call after another here
+    fixed_rows: int | None = None
+    variant: str = ""
+    inner: Runner | None = None
     device: torch.device
     max_positions: int
 

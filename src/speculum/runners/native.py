@@ -51,6 +51,8 @@ class NativeRunner(RunnerBase):
             eagerly and lose the guarantee.
     """
 
+    batched_forward = True  # forward_batch stacks the sequences' rows into one forward (runners.batched)
+
     def __init__(self, model: torch.nn.Module, prefill_chunk: int = 256, cuda_graphs: bool | str | None = None,
                  graph_context: int | None = None, fixed_rows: int | None = None):
         self.config = model.config
