@@ -170,8 +170,8 @@ class EagleDrafter(TextLookup, Drafter):
     def _tree(self, root_feat: torch.Tensor, root_pos: int, budget: int, tokens: list[int]) -> DraftTree:
         c = self.cache
         room = min(self.max_nodes, budget)
-        if self.device_tree and self.depth > 1 and self._growth().fits(c.used):
-            growth = self._growth()
+        growth = self._growth() if self.device_tree and self.depth > 1 else None
+        if growth is not None and growth.fits(c.used):
             grow = growth.grow(root_feat, root_pos, c.used)
             self.look_up_under(grow, growth.last_level(grow), tokens, room)
             made = sum(score > float("-inf") for score in grow.scores)  # -inf: children of an end token
