@@ -16,10 +16,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,118 +26,70 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..batching import Batcher, PrefixCache
-from ..calibrate import default_max_batch, load_or_measure
 from ..constrain import Grammar, compile_constraint, ll_tokenizer, pick_constraint
-from ..engine import default_eos_ids
 from ..errors import SpeculumError
 from ..kv import make_policy
-from ..methods import DRAFT_MODEL_METHODS, ENGINE_METHODS, build_method
 from ..prompts import encode_messages
 from ..result import FinishReason
-from ..runners import NativeRunner, runner_for
 from ..sampling import SamplingParams
 from ..text_stream import StreamingText
 from .guard import Guard, GuardSettings
 from .limits import RequestLimits, check_constraint_size, load_json
 from .metrics import Metrics
+from .model_state import SERVABLE_METHODS, ModelState
 from .protocol import APIError, ChatCompletionRequest, CommonParams, CompletionRequest
 from .worker import Job, QueueFull, Worker
 
-SERVABLE_METHODS = tuple(m for m in ENGINE_METHODS if m not in DRAFT_MODEL_METHODS)
-MAX_POLICY_METHODS = 8  # KV-policy variants of its methods a tenant keeps built (ServerState.get_method)
 # OpenAI's finish reasons; the budget closer ended a cut-off output validly
 FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
           FinishReason.CONTEXT: "length", FinishReason.CLOSED: "length"}
 
 
 class ServerState:
-    """The model, its methods (built on first use, sharing one runner), the worker.
+    """The HTTP side of a server and what it serves: the model side in this process
+    (:class:`~.model_state.ModelState`, run by a :class:`~.worker.Worker`), or, with ``engines`` (an
+    :class:`~.engines.EnginePool`), in engine processes (``model`` is then None and the tokenizer is
+    this process's only copy of the model).
 
-    **Tenants.** Drafters learn from the requests they serve (the suffix cache, the recycling table,
-    ``auto``'s bandit), and what they learnt shows in later responses' speed and acceptance. Each
-    tenant therefore gets its own methods: a tenant is the API key a request carried (see
-    :class:`~.guard.Guard`) together with its ``cache_salt``; requests with neither share the
-    anonymous tenant. ``share_drafter_state=True`` puts every request in one tenant. The
-    ``max_tenants`` most recently active tenants keep their state; older ones start afresh.
-
-    **Reproducible mode** (``deterministic``): verification runs on
-    :meth:`~speculum.runners.native.NativeRunner.invariant`'s runner, whose logits for a token do
-    not depend on how many tokens a step verified, and trees are cut to their best chain
-    (``Engine(chains_only=True)``). A temperature-0 or seeded request then gives the same output
-    each time, whatever the drafters learnt in between, and the output of ``ar``. None (the
-    default): on where it is cheap, i.e. the native runner runs the model and this machine's
-    kernels have row floors of at most two rows (bfloat16 through oneDNN); elsewhere off, and whole
-    trees are verified (float32 output then repeats in practice: its rounding differences hardly
-    ever change a token). True: on, with every step padded to a fixed row count where the kernels
-    have no floors (slow); False: off.
-
-    **Batching**: up to ``max_batch`` requests decode together, one forward per step
-    (:class:`~speculum.batching.Batcher`); None picks it from the runner's calibration
-    (:func:`~speculum.calibrate.default_max_batch`). Prompts that start like a recent prompt of the
-    same tenant reuse its KV entries (``prefix_cache_mb`` of them at most; 0 turns reuse off). In
-    the reproducible mode a request's output does not depend on its batch where the batched
-    kernels keep each row's numbers (tested for bfloat16 on oneDNN; see BENCHMARKS.md).
+    **Tenants.** A request's tenant is the API key it carried (see :class:`~.guard.Guard`) together
+    with its ``cache_salt``; requests with neither share the anonymous tenant, and
+    ``share_drafter_state=True`` puts every request in one tenant. Each tenant gets its own methods
+    (:class:`~.model_state.ModelState`, which also says what the reproducible mode and batching do).
     """
 
     def __init__(self, model, tokenizer, model_name: str, method: str = "auto", max_queue: int = 16,
                  max_tree: int = 64, limits: RequestLimits | None = None, share_drafter_state: bool = False,
                  max_tenants: int = 64, deterministic: bool | None = None, max_batch: int | None = None,
-                 prefix_cache_mb: int = 256, worker: bool = True, draft_head: tuple[str, ...] | None = None):
+                 prefix_cache_mb: int = 256, draft_head: tuple[str, ...] | None = None, engines=None):
         if method not in SERVABLE_METHODS:
             raise SpeculumError(f"unknown method {method!r}; choose from {', '.join(SERVABLE_METHODS)}")
-        self.model, self.tokenizer, self.model_name = model, tokenizer, model_name
-        self.draft_head = draft_head  # the learned drafters' head files (None: the shipped ones)
-        self.default_method, self.max_tree = method, max_tree
+        self.tokenizer, self.model_name, self.default_method = tokenizer, model_name, method
         self.limits = limits or RequestLimits()
-        self.share_drafter_state, self.max_tenants = share_drafter_state, max_tenants
-        self.runner = runner_for(model)
-        native = isinstance(self.runner, NativeRunner)
-        if deterministic and not native:
-            raise SpeculumError("the reproducible mode (--deterministic) needs the native runner")
-        self.deterministic = False
-        if native and deterministic is not False:
-            invariant = self.runner.invariant(max_tree + 1)
-            if deterministic or (invariant.floors is not None and invariant.floors.cheap):
-                self.runner, self.deterministic = invariant, True
-                if invariant.fixed_rows is not None:  # no row floors here: every step padded
-                    self.max_tree = min(max_tree, invariant.fixed_rows - 1)
+        self.share_drafter_state = share_drafter_state
+        if engines is None:
+            self.engine = ModelState(model, tokenizer, method, max_tree, max_tenants, deterministic, max_batch,
+                                     prefix_cache_mb, draft_head)
+            info, metrics = self.engine.info(), Metrics()
+            worker = Worker(self.engine.get_method, metrics, self.engine.batcher, max_queue)
+        else:
+            self.engine, info, metrics, worker = None, engines.info, engines.metrics, engines
+        self.max_tree, self.deterministic, self.max_batch = info["max_tree"], info["deterministic"], info["max_batch"]
         self.chains_only = self.deterministic
-        self.context = self.runner.max_positions
-        self.eos_ids = default_eos_ids(model, tokenizer)
-        self.vocab_size = self.runner.vocab_size
-        self.tenants: OrderedDict[str, dict[str, object]] = OrderedDict()
-        self._tenants_lock = threading.Lock()
-        self.get_method(method)  # build (and calibrate) the default method before serving
-        if max_batch is None:
-            max_batch = default_max_batch(load_or_measure(self.runner))
-        if max_batch < 1:
-            raise SpeculumError(f"max_batch must be at least 1, got {max_batch}")
-        self.max_batch = max_batch
-        self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
-        self.batcher = Batcher(self.runner, max_batch, prefix_cache=self.prefix_cache)
-        if worker:  # else an engine process (.engines), which steps the batcher itself
-            metrics = Metrics()
-            self._serve(metrics, Worker(self.get_method, metrics, self.batcher, max_queue))
+        self.context, self.eos_ids, self.vocab_size = info["context"], info["eos_ids"], info["vocab_size"]
+        self._serve(metrics, worker)
 
     @classmethod
     def over_engines(cls, pool, tokenizer, model_name: str, method: str = "auto",
                      limits: RequestLimits | None = None, share_drafter_state: bool = False,
                      max_tenants: int = 64) -> ServerState:
-        """The HTTP side of a server whose model runs in the engine processes of ``pool`` (an
-        :class:`~.engines.EnginePool`; no model in this process)."""
-        if method not in SERVABLE_METHODS:
-            raise SpeculumError(f"unknown method {method!r}; choose from {', '.join(SERVABLE_METHODS)}")
-        self = cls.__new__(cls)
-        self.model, self.runner, self.tokenizer, self.model_name = None, None, tokenizer, model_name
-        self.default_method, self.limits = method, limits or RequestLimits()
-        self.share_drafter_state, self.max_tenants = share_drafter_state, max_tenants
-        info = pool.info
-        self.max_tree, self.deterministic, self.max_batch = info["max_tree"], info["deterministic"], info["max_batch"]
-        self.chains_only = self.deterministic
-        self.context, self.eos_ids, self.vocab_size = info["context"], info["eos_ids"], info["vocab_size"]
-        self._serve(pool.metrics, pool)
-        return self
+        """The HTTP side of a server whose model runs in the engine processes of ``pool``."""
+        return cls(None, tokenizer, model_name, method, limits=limits, share_drafter_state=share_drafter_state,
+                   max_tenants=max_tenants, engines=pool)
+
+    # the in-process model side's parts (None with engine processes)
+    model = property(lambda self: None if self.engine is None else self.engine.model)
+    runner = property(lambda self: None if self.engine is None else self.engine.runner)
+    prefix_cache = property(lambda self: None if self.engine is None else self.engine.prefix_cache)
 
     def _serve(self, metrics: Metrics, worker) -> None:
         """The HTTP side's parts: metrics, worker (a :class:`~.worker.Worker` or an
@@ -160,35 +110,6 @@ class ServerState:
         if self.share_drafter_state:
             return ""
         return json.dumps([api_key_index, cache_salt])
-
-    def get_method(self, name: str, tenant: str = "", kv: tuple[str, str] | None = None):
-        """``tenant``'s method ``name``, on the full cache or (``kv``: a KV policy and its budget,
-        :func:`~speculum.kv.make_policy`) on that policy's runner; built on first use. A tenant
-        keeps its :data:`MAX_POLICY_METHODS` most recently used policy variants."""
-        with self._tenants_lock:
-            methods = self.tenants.get(tenant)
-            if methods is None:
-                methods = self.tenants[tenant] = OrderedDict()
-                while len(self.tenants) > self.max_tenants:
-                    self.tenants.popitem(last=False)
-            self.tenants.move_to_end(tenant)
-            key = name if kv is None else (name, *kv)
-            method = methods.get(key)
-            if method is not None:
-                methods.move_to_end(key)
-                return method
-        # the server's auto leaves out the learned arm: its head forwards run per sequence, which a
-        # batch pays for every step, and its requests cannot reuse cached prefixes (they need the
-        # prompt's hidden states); ask for method "eagle" to get it
-        method = build_method(name, self.model, self.tokenizer, runner=self.runner, max_tree=self.max_tree,
-                              chains_only=self.chains_only, kv_policy=None if kv is None else make_policy(*kv),
-                              draft_head=self.draft_head, **({"learned": False} if name == "auto" else {}))
-        with self._tenants_lock:
-            method = methods.setdefault(key, method)
-            variants = [k for k in methods if isinstance(k, tuple)]
-            for old in variants[:max(0, len(variants) - MAX_POLICY_METHODS)]:
-                del methods[old]
-        return method
 
     def close(self) -> None:
         self.worker.close()

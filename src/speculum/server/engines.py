@@ -85,23 +85,20 @@ def _engine_main(conn, config: EngineConfig) -> None:  # pragma: no cover - runs
         from ..constrain import compile_constraint
         from ..loading import load
         from ..runners import release_if_native, use_runner
-        from .app import ServerState
+        from .model_state import ModelState
 
         model, tok = load(config.model, config.dtype, config.device, weights=config.weights)
         use_runner(model, config.runner)
         release_if_native(model)
-        state = ServerState(model, tok, config.model, config.method, max_tree=config.max_tree,
-                            share_drafter_state=config.share_drafter_state, deterministic=config.deterministic,
-                            max_batch=config.max_batch, prefix_cache_mb=config.prefix_cache_mb, worker=False,
-                            draft_head=config.draft_head)
+        state = ModelState(model, tok, config.method, max_tree=config.max_tree, deterministic=config.deterministic,
+                           max_batch=config.max_batch, prefix_cache_mb=config.prefix_cache_mb,
+                           draft_head=config.draft_head)
         weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
         weights += sum(q.nbytes for q in getattr(model, "speculum_quant", {}).values())
     except BaseException as e:  # noqa: BLE001 - reported to the HTTP process, which refuses to start
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", {"deterministic": state.deterministic, "max_batch": state.max_batch,
-                         "max_tree": state.max_tree, "context": state.context, "eos_ids": state.eos_ids,
-                         "vocab_size": state.vocab_size, "weight_bytes": weights}))
+    conn.send(("ready", {**state.info(), "weight_bytes": weights}))
 
     from ..batching import BatchRequest
 
@@ -113,7 +110,7 @@ def _engine_main(conn, config: EngineConfig) -> None:  # pragma: no cover - runs
             grammar = None
             if job.constraint is not None:
                 spec, reserve = job.constraint
-                grammar = compile_constraint(spec, tok, state.vocab_size, state.eos_ids, reserve)
+                grammar = compile_constraint(spec, tok, state.runner.vocab_size, state.eos_ids, reserve)
         except Exception as e:  # noqa: BLE001 - that request's error
             conn.send((jid, "error", _picklable(e)))
             return

@@ -22,7 +22,7 @@ def _split(text: str | None) -> tuple[str, ...]:
 
 def check_serve_args(args: argparse.Namespace) -> None:
     """Refuse bad ``speculum serve`` arguments with a clear error (before any model loads)."""
-    from .app import SERVABLE_METHODS
+    from .model_state import SERVABLE_METHODS
 
     if args.method not in SERVABLE_METHODS:
         raise SpeculumError(f"unknown method {args.method!r}; choose from {', '.join(SERVABLE_METHODS)}")
