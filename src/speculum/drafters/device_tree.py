@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..runners.graphs import KEY_BUCKETS, bucket
+from ..runners.graphs import bucket, capture_graph, key_buckets
 from .dynamic_tree import DynamicTree
 
 
@@ -57,8 +57,7 @@ class DeviceTreeGrowth:
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.draft_slots = (self.depth - 1) * top_k  # S: pending cache slots one growth writes
         self.nodes = top_k + (self.depth - 1) * top_k * top_k  # N: nodes one growth makes
-        capacity = keys.shape[1]
-        self.key_buckets = tuple(b for b in KEY_BUCKETS if b < capacity) + (capacity,)
+        self.key_buckets = key_buckets(keys.shape[1])
         hidden = head.config.hidden
         # static inputs: the root's predicted feature, and [committed, root position]
         self.root_feat = torch.zeros(hidden, dtype=keys.dtype, device=self.device)
@@ -83,9 +82,10 @@ class DeviceTreeGrowth:
         self.host_scalars[0], self.host_scalars[1] = committed, root_pos
         self.scalars.copy_(self.host_scalars, non_blocking=True)
         if self.capture:
-            entry = self.graphs.get(kb) or self._capture(kb)
-            entry[0].replay()
-            packed = entry[1]
+            if kb not in self.graphs:
+                self.graphs[kb] = capture_graph(lambda: self._grow(kb), self.pool)
+            graph, packed = self.graphs[kb]
+            graph.replay()
         else:
             packed = self._grow(kb)
         tokens, parents, scores = packed.cpu().numpy()  # the one synchronisation
@@ -108,7 +108,7 @@ class DeviceTreeGrowth:
         rows = torch.arange(k, device=dev)
         logp = torch.log_softmax(tables.logits(self.root_feat[None]).float(), dim=-1)  # [1, K]
         top = logp.topk(k, dim=-1)
-        front_tok = self._token_ids(top.indices[0])  # [k] the frontier's tokens
+        front_tok = tables.token_ids(top.indices[0])  # [k] the frontier's tokens
         front_score = top.values[0]  # [k] their path log-probabilities
         front_node = rows.clone()  # [k] their node numbers
         all_tok, all_par, all_score = [front_tok], [torch.full((k,), -1, device=dev)], [front_score]
@@ -129,7 +129,7 @@ class DeviceTreeGrowth:
             top = lp.topk(k, dim=-1)
             ended = torch.isin(front_tok, self.ends)
             child_score = (front_score[:, None] + top.values).masked_fill(ended[:, None], float("-inf")).flatten()
-            child_tok = self._token_ids(top.indices).flatten()  # [k * k]
+            child_tok = tables.token_ids(top.indices).flatten()  # [k * k]
             base = k + (d - 1) * k * k
             all_tok.append(child_tok)
             all_par.append(front_node.repeat_interleave(k))
@@ -139,20 +139,3 @@ class DeviceTreeGrowth:
             front_node, front_tok, front_score = base + best, child_tok[best], child_score[best]
             parent_feat, ancestors = out[parent_row], ancestors[parent_row]
         return torch.stack([torch.cat(all_tok).float(), torch.cat(all_par).float(), torch.cat(all_score)])
-
-    def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
-        vocab = self.tables.vocab
-        return columns if vocab is None else vocab[columns]
-
-    def _capture(self, kb: int):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up outside capture (library handles)
-                self._grow(kb)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self._grow(kb)
-        self.graphs[kb] = (graph, out)
-        return graph, out

@@ -144,9 +144,6 @@ class EagleDrafter(TextLookup, Drafter):
         full = draft_logits.new_full((*draft_logits.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.tables.vocab, draft_logits)
 
-    def _token_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids if self.tables.vocab is None else self.tables.vocab[draft_ids]
-
     def _sampled_chain(self, feat: torch.Tensor, root_pos: int, k: int) -> DraftTree:
         drafted, qs = [], []
         slots: list[int] = []
@@ -180,7 +177,7 @@ class EagleDrafter(TextLookup, Drafter):
         slot: dict[int, int] = {}  # node -> its entry in the head's cache (expanded nodes)
         anc: dict[int, list[int]] = {-1: []}  # node -> cache slots of its expanded ancestors
         level = grow.add_children([-1], torch.log_softmax(self.tables.logits(root_feat[None]).float(), -1),
-                                  self._token_ids)
+                                  self.tables.token_ids)
         feats = {-1: root_feat}
         for depth in range(1, min(self.depth, budget)):
             if self.look_up_under(grow, level, tokens, room):
@@ -204,7 +201,7 @@ class EagleDrafter(TextLookup, Drafter):
                                  torch.from_numpy(visible).to(self.device))  # [m, D]
             feats.update(zip(frontier, out))
             level = grow.add_children(frontier, torch.log_softmax(self.tables.logits(out).float(), -1),
-                                      self._token_ids)
+                                      self.tables.token_ids)
         else:
             self.look_up_under(grow, level, tokens, room)
         return grow.result(room)

@@ -48,7 +48,7 @@ class HydraDrafter(TextLookup, HeadDrafter):
             return DraftTree.chain(path[1:], torch.stack(qs))
         grow = DynamicTree(self.top_k, self.min_path_prob, self.end_ids)
         room = min(self.max_nodes, budget)
-        level = grow.add_children([-1], torch.log_softmax(self._logits(1, [[root]]), -1), self.token_ids)
+        level = grow.add_children([-1], torch.log_softmax(self._logits(1, [[root]]), -1), self.tables.token_ids)
         for k in range(2, depth + 1):
             if self.look_up_under(grow, level, tokens, room):
                 break
@@ -56,7 +56,7 @@ class HydraDrafter(TextLookup, HeadDrafter):
             if not frontier:
                 break
             logp = torch.log_softmax(self._logits(k, [[root] + grow.path(i) for i in frontier]), -1)
-            level = grow.add_children(frontier, logp, self.token_ids)
+            level = grow.add_children(frontier, logp, self.tables.token_ids)
         else:
             self.look_up_under(grow, level, tokens, room)
         return grow.result(room)

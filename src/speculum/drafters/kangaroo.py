@@ -97,9 +97,6 @@ class KangarooDrafter(TextLookup, Drafter):
         """Predicted features ``[m, D]`` -> draft-vocabulary log-probabilities ``[m, K]``."""
         return torch.log_softmax(self.tables.logits(feats).float(), -1)
 
-    def _token_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids if self.tables.vocab is None else self.tables.vocab[draft_ids]
-
     @torch.inference_mode()
     def propose(self, tokens: list[int], budget: int) -> DraftTree:
         root_feat = self._catch_up(tokens)
@@ -130,7 +127,7 @@ class KangarooDrafter(TextLookup, Drafter):
         slot: dict[int, int] = {}  # expanded node -> its pending slot (in both caches)
         anc: dict[int, list[int]] = {-1: []}  # node -> pending slots of its expanded ancestors
         room = min(self.max_nodes, budget)
-        level = grow.add_children([-1], self._logp(root_feat[None]), self._token_ids)
+        level = grow.add_children([-1], self._logp(root_feat[None]), self.tables.token_ids)
         for depth in range(1, min(self.depth, budget)):
             if self.look_up_under(grow, level, tokens, room):
                 break
@@ -144,7 +141,7 @@ class KangarooDrafter(TextLookup, Drafter):
             visible[:, :self.shallow.committed] = True
             positions = torch.full((m,), root_pos + depth, device=self.device)
             feats = self._run([grow.tokens[i] for i in frontier], positions, torch.from_numpy(visible).to(self.device))
-            level = grow.add_children(frontier, self._logp(feats), self._token_ids)
+            level = grow.add_children(frontier, self._logp(feats), self.tables.token_ids)
         else:
             self.look_up_under(grow, level, tokens, room)
         return grow.result(room)

@@ -51,10 +51,6 @@ class HeadDrafter(Drafter):
         """Whether this step can draft: a budget, and the feature of the token before the root."""
         return budget > 0 and self.feat is not None and self.seen == len(tokens) - 1
 
-    def token_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary columns -> token ids."""
-        return draft_ids if self.tables.vocab is None else self.tables.vocab[draft_ids]
-
     def q(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """The request's sampling distribution ``[V]`` of draft logits ``[K]`` (zero outside a
         trimmed draft vocabulary)."""
@@ -81,4 +77,4 @@ class MedusaDrafter(HeadDrafter):
                 qs.append(q)
             return DraftTree.chain(drafted, torch.stack(qs))
         top = torch.log_softmax(logits[:depth], -1).topk(min(self.top_k, logits.shape[-1]), dim=-1)
-        return product_tree(self.token_ids(top.indices).tolist(), top.values.tolist(), min(self.max_nodes, budget))
+        return product_tree(self.tables.token_ids(top.indices).tolist(), top.values.tolist(), min(self.max_nodes, budget))

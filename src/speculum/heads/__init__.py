@@ -178,6 +178,10 @@ class TargetTables:
             e = torch.nn.functional.embedding(ids, self.embed)
         return e * self.embed_scale if self.embed_scale is not None else e
 
+    def token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary columns ``[...]`` -> token ids ``[...]``."""
+        return columns if self.vocab is None else self.vocab[columns]
+
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Predicted features ``[..., D]`` -> draft-vocabulary logits ``[..., K]``."""
         if self.quantized is not None and not torch.is_grad_enabled():

@@ -219,6 +219,13 @@ class EagleHead(AttentionHead):
         return h + fast["down"](F.silu(gate) * up)
 
 
+def _roped_heads(qkv: torch.Tensor, c: EagleConfig, rope: tuple[torch.Tensor, torch.Tensor]):
+    """Projected rows ``qkv [n, (H + 2 H_kv) d]`` -> ``q [H, n, d]``, ``k, v [H_kv, n, d]``, q and k roped."""
+    n = qkv.shape[0]
+    q, k, v = qkv.view(n, c.heads + 2 * c.kv_heads, c.head_dim).transpose(0, 1).split((c.heads, c.kv_heads, c.kv_heads))
+    return _rotate(q, *rope), _rotate(k, *rope), v
+
+
 def cached_attention(qkv: torch.Tensor, c: EagleConfig, rope: tuple[torch.Tensor, torch.Tensor], cache: HeadCache,
                      visible: torch.Tensor) -> torch.Tensor:
     """A head's attention while drafting: ``qkv [n, (H + 2 H_kv) d]`` projected rows, roped with
@@ -226,9 +233,7 @@ def cached_attention(qkv: torch.Tensor, c: EagleConfig, rope: tuple[torch.Tensor
     cache.used + n - 1`` and row ``i`` attends the slots where ``visible [n, cache.used + n]`` holds.
     Returns ``[n, H d]``."""
     n, at = qkv.shape[0], cache.used
-    qkv = qkv.view(n, c.heads + 2 * c.kv_heads, c.head_dim).transpose(0, 1)  # [H + 2 H_kv, n, d]
-    q, k, v = qkv.split((c.heads, c.kv_heads, c.kv_heads))
-    q, k = _rotate(q, *rope), _rotate(k, *rope)
+    q, k, v = _roped_heads(qkv, c, rope)
     cache.k[:, at:at + n] = k
     cache.v[:, at:at + n] = v
     cache.used = at + n
@@ -243,9 +248,7 @@ def static_attention(qkv: torch.Tensor, c: EagleConfig, rope: tuple[torch.Tensor
     ``keys, values [H_kv, C, d]`` and row ``i`` attends the first ``Kb`` slots where ``visible [n, Kb]``
     holds. Returns ``[n, H d]``."""
     n = qkv.shape[0]
-    qkv = qkv.view(n, c.heads + 2 * c.kv_heads, c.head_dim).transpose(0, 1)  # [H + 2 H_kv, n, d]
-    q, k, v = qkv.split((c.heads, c.kv_heads, c.kv_heads))
-    q, k = _rotate(q, *rope), _rotate(k, *rope)
+    q, k, v = _roped_heads(qkv, c, rope)
     keys.index_copy_(1, slots, k)
     values.index_copy_(1, slots, v)
     kb = visible.shape[1]

@@ -48,6 +48,27 @@ def bucket(value: int, buckets) -> int | None:
     return next((b for b in buckets if b >= value), None)
 
 
+def key_buckets(capacity: int) -> tuple[int, ...]:
+    """The key-slot buckets of a buffer of ``capacity`` slots: :data:`KEY_BUCKETS` below it, then itself."""
+    return tuple(b for b in KEY_BUCKETS if b < capacity) + (capacity,)
+
+
+def capture_graph(fn, pool):
+    """``(graph, out)``: ``fn()`` captured as a CUDA graph in memory ``pool``, after two warm-up calls
+    on a side stream (library handles, autotuning, compilation); ``out`` is what the captured call
+    returned, which each replay rewrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    return graph, out
+
+
 class GraphedSteps:
     """Lazily captured CUDA graphs over one static KV buffer ``kv [layers, 2, H_kv, C, d]``."""
 
@@ -61,7 +82,7 @@ class GraphedSteps:
         self.token_buckets = tuple(token_buckets)
         self.step_fn = torch.compile(self._step, dynamic=False) if compile else self._step
         self.capacity = kv.shape[3]
-        self.key_buckets = tuple(b for b in KEY_BUCKETS if b < self.capacity) + (self.capacity,)
+        self.key_buckets = key_buckets(self.capacity)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Forward]] = {}
@@ -142,14 +163,5 @@ class GraphedSteps:
         return Forward(out.logits[:n].clone(), {i: h[:n].clone() for i, h in out.hidden.items()})
 
     def _capture(self, b: int, k: int, hidden: tuple[int, ...]):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # warm-up outside capture (library handles, autotuning, compilation)
-                self.step_fn(b, k, hidden)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.step_fn(b, k, hidden)
-        self.graphs[(b, k, hidden)] = (graph, out)
-        return graph, out
+        entry = self.graphs[(b, k, hidden)] = capture_graph(lambda: self.step_fn(b, k, hidden), self.pool)
+        return entry

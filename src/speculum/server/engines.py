@@ -50,7 +50,6 @@ class EngineConfig:
     threads: int = 1
     method: str = "auto"
     max_tree: int = 64
-    share_drafter_state: bool = False
     deterministic: bool | None = None
     max_batch: int | None = None
     prefix_cache_mb: int = 256

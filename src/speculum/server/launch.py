@@ -88,7 +88,7 @@ def build_state(args: argparse.Namespace, engines: int | None = None, threads: i
     name = args.served_model_name or args.model
     if engines > 1:
         config = EngineConfig(args.model, args.dtype, args.device, args.runner, threads or max(1, cores // engines),
-                              args.method, args.max_tree, args.share_drafter_state, args.deterministic,
+                              args.method, args.max_tree, args.deterministic,
                               args.max_batch, args.prefix_cache_mb, args.draft_head,
                               weights=getattr(args, "weights", None))
         tok, _ = load_tokenizer_and_config(args.model)
