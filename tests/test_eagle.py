@@ -371,12 +371,12 @@ def test_fixed_shape_step_computes_the_drafting_step():
         visible = torch.tensor([[1, 0, 1], [0, 1, 1], [0, 0, 1]], dtype=torch.bool)
         want = head.step(feats[6:], embeds[6:], torch.tensor([6, 7, 7]), cache,
                          torch.cat([torch.ones(3, 6, dtype=torch.bool), visible], 1))
-        keys, values = cache.k.clone(), cache.v.clone()
-        keys[:, 6:], values[:, 6:] = 5.0, -5.0  # stale entries where the rows are written
+        kv = cache.kv[0].clone()  # [2, H_kv, C, d]
+        kv[0, :, 6:], kv[1, :, 6:] = 5.0, -5.0  # stale entries where the rows are written
         mask = torch.zeros(3, 16, dtype=torch.bool)
         mask[:, :6] = True
         mask[:, 6:9] = visible
-        got = head.step_static(feats[6:], embeds[6:], torch.tensor([6, 7, 7]), keys, values,
+        got = head.step_static(feats[6:], embeds[6:], torch.tensor([6, 7, 7]), kv,
                                torch.tensor([6, 7, 8]), mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -335,7 +335,13 @@ def _view_reference(draft, ids: list[int]) -> torch.Tensor:
     kv, length, n = cache.kv, cache.length, len(ids)
     d = dec.shape.head_dim
 
-    def attend(i, layer, q, k, val):
+    class Gathered:  # a KVStore reading the view's slots from the target's cache
+        compiled = None
+
+        def attend(self, i, sliding, q, k, val):
+            return gathered(i, q, k, val)
+
+    def gathered(i, q, k, val):
         slots = [torch.arange(v.sink).expand(dec.shape.kv_heads, -1)]
         if draft.picked_slots:
             slots.append(draft.picked_slots[i])
@@ -347,7 +353,7 @@ def _view_reference(draft, ids: list[int]) -> torch.Tensor:
         return dec.attend(q, keys, values, grouped(mask, dec.shape.group, dec.dtype))
 
     with torch.inference_mode():
-        return dec.forward_with(torch.tensor(ids), torch.arange(length, length + n), attend).logits
+        return dec.forward_with(torch.tensor(ids), torch.arange(length, length + n), Gathered()).logits
 
 
 @pytest.mark.parametrize("slack", [None, 0], ids=["spare", "growing"])

@@ -23,6 +23,7 @@ import torch
 
 from ..attention import AttentionLayout, Step, attention, grouped, in_window, visibility, window_start
 from .static import StaticKVCache
+from .store import put
 
 
 class PositionedKVCache(StaticKVCache):
@@ -190,7 +191,6 @@ class PositionedKVCache(StaticKVCache):
         n = step.n
         self.write(layer, k, v)
         c = block.shape[2] - n
-        block[0, :, c:] = k.transpose(0, 1)
-        block[1, :, c:] = v.transpose(0, 1)
+        put(block, c, k, v)
         mask = grouped(visibility(c, step.positions, step.new_mask, None)[0], self.layout.group, self.dtype)
         return self.attend(q, block[0], block[1], mask)

@@ -19,6 +19,7 @@ import torch
 
 from ..attention import AttentionLayout, Step, attention, grouped, visibility, window_start
 from .base import KVCache
+from .store import put
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -163,8 +164,7 @@ class QuantKVCache(KVCache):
         """Write the new entries ``k, v [n, H_kv, d]`` into the residual window and attend ``q [n, H, d]``
         over the dequantized store (from the first group a sliding layer still sees) and the window."""
         n, r, s = k.shape[0], self.r, self.layout
-        self.resid[layer, 0, :, r:r + n] = k.transpose(0, 1)
-        self.resid[layer, 1, :, r:r + n] = v.transpose(0, 1)
+        put(self.resid[layer], r, k, v)
         window = s.window if sliding else None
         start = min(window_start(step.positions, window), self.tq) // self.group * self.group
         rk, rv = self.resid[layer, 0, :, : r + n], self.resid[layer, 1, :, : r + n]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .base import KVCache
+from .store import put
 
 
 class StaticKVCache(KVCache):
@@ -60,6 +61,4 @@ class StaticKVCache(KVCache):
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """New entries ``k, v [n, H_kv, d]`` into the pending slots ``length ..`` of ``layer``."""
-        n = k.shape[0]
-        self.kv[layer, 0, :, self.length:self.length + n] = k.transpose(0, 1)
-        self.kv[layer, 1, :, self.length:self.length + n] = v.transpose(0, 1)
+        put(self.kv[layer], self.length, k, v)

@@ -42,25 +42,25 @@ class DeviceTreeGrowth:
     Args:
         head: a frozen :class:`~speculum.heads.eagle.EagleHead`; ``tables`` the target's
             :class:`~speculum.heads.TargetTables`.
-        keys, values: the head cache's buffers ``[H_kv, C, d]`` (their storage must not change while
-            this object is used: captured graphs read them).
+        kv: the head cache's buffer ``[2, H_kv, C, d]`` (its storage must not change while this
+            object is used: captured graphs read it).
         top_k: ``k``, the children per node and the nodes expanded per depth; ``depth``: depths drafted.
         ends: token ids whose nodes are not expanded (the request's EOS ids).
         capture: capture CUDA graphs (default: on CUDA devices).
     """
 
-    def __init__(self, head, tables, keys: torch.Tensor, values: torch.Tensor, top_k: int, depth: int,
+    def __init__(self, head, tables, kv: torch.Tensor, top_k: int, depth: int,
                  ends: frozenset[int] = frozenset(), capture: bool | None = None):
-        self.head, self.tables, self.keys, self.values = head, tables, keys, values
+        self.head, self.tables, self.kv = head, tables, kv
         self.k, self.depth = top_k, max(1, depth)
-        self.device = keys.device
+        self.device = kv.device
         self.capture = self.device.type == "cuda" if capture is None else capture
         self.draft_slots = (self.depth - 1) * top_k  # S: pending cache slots one growth writes
         self.nodes = top_k + (self.depth - 1) * top_k * top_k  # N: nodes one growth makes
-        self.key_buckets = key_buckets(keys.shape[1])
+        self.key_buckets = key_buckets(kv.shape[2])
         hidden = head.config.hidden
         # static inputs: the root's predicted feature, and [committed, root position]
-        self.root_feat = torch.zeros(hidden, dtype=keys.dtype, device=self.device)
+        self.root_feat = torch.zeros(hidden, dtype=kv.dtype, device=self.device)
         self.scalars = torch.zeros(2, dtype=torch.long, device=self.device)
         self.host_scalars = torch.zeros(2, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.end_ids = ends
@@ -70,7 +70,7 @@ class DeviceTreeGrowth:
 
     def fits(self, committed: int) -> bool:
         """Whether a growth after ``committed`` cache entries fits the cache."""
-        return committed + self.draft_slots <= self.keys.shape[1]
+        return committed + self.draft_slots <= self.kv.shape[2]
 
     @torch.inference_mode()
     def grow(self, root_feat: torch.Tensor, root_pos: int, committed: int) -> DynamicTree:
@@ -123,7 +123,7 @@ class DeviceTreeGrowth:
             ancestors[rows, own] = True
             visible = (slot_rel < 0) | (in_draft & ancestors.gather(1, gather_at))  # [k, Kb]
             positions = (root_pos + d - 1).expand(k)
-            out = self.head.step_static(parent_feat, tables.embeds(front_tok), positions, self.keys, self.values,
+            out = self.head.step_static(parent_feat, tables.embeds(front_tok), positions, self.kv,
                                         committed + own, visible)  # [k, D]
             lp = torch.log_softmax(tables.logits(out).float(), dim=-1)  # [k, K]
             top = lp.topk(k, dim=-1)

@@ -95,8 +95,8 @@ class EagleDrafter(TextLookup, Drafter):
         """The device growth over the current cache's buffers (made anew where they changed: a
         request outgrew them) and this request's end tokens."""
         d = self._device
-        if d is None or d.keys is not self.cache.k or d.end_ids != self.end_ids:
-            d = self._device = DeviceTreeGrowth(self.head, self.tables, self.cache.k, self.cache.v, self.top_k,
+        if d is None or d.kv.data_ptr() != self.cache.kv.data_ptr() or d.end_ids != self.end_ids:
+            d = self._device = DeviceTreeGrowth(self.head, self.tables, self.cache.kv[0], self.top_k,
                                                 self.depth, self.end_ids)
             self._device_cache = self.cache
         return d

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache.store import DraftBuffer, put
 from ..runners.packed import fast_linear
 
 LAYOUTS = ("speculum", "eagle1")
@@ -199,15 +200,14 @@ class EagleHead(AttentionHead):
         return self._drafting_layer(feats, embeds, positions,
                                     lambda qkv, rope: cached_attention(qkv, self.config, rope, cache, visible))
 
-    def step_static(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-                    values: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def step_static(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
+                    slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """:meth:`step` in fixed shapes, with nothing read back to the host (what a CUDA graph can
-        capture): ``n`` pairs written to the cache buffers ``keys, values [H_kv, C, d]`` at ``slots [n]``
-        (a tensor); row ``i`` attends the first ``Kb`` slots where ``visible [n, Kb]`` holds. Returns
+        capture): ``n`` pairs written to the cache buffer ``kv [2, H_kv, C, d]`` at ``slots [n]`` (a
+        tensor); row ``i`` attends the first ``Kb`` slots where ``visible [n, Kb]`` holds. Returns
         predicted features ``[n, D]``."""
         return self._drafting_layer(feats, embeds, positions,
-                                    lambda qkv, rope: static_attention(qkv, self.config, rope, keys, values, slots,
-                                                                       visible))
+                                    lambda qkv, rope: static_attention(qkv, self.config, rope, kv, slots, visible))
 
     def _drafting_layer(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend):
         """The drafting-time layer around ``attend(qkv [n, (H + 2 H_kv) d], (cos, sin)) -> [n, H d]``."""
@@ -232,51 +232,40 @@ def cached_attention(qkv: torch.Tensor, c: EagleConfig, rope: tuple[torch.Tensor
     ``rope`` (``cos, sin [n, d]``); their keys and values go to ``cache``'s slots ``cache.used ..
     cache.used + n - 1`` and row ``i`` attends the slots where ``visible [n, cache.used + n]`` holds.
     Returns ``[n, H d]``."""
-    n, at = qkv.shape[0], cache.used
+    n = qkv.shape[0]
     q, k, v = _roped_heads(qkv, c, rope)
-    cache.k[:, at:at + n] = k
-    cache.v[:, at:at + n] = v
-    cache.used = at + n
-    attn = F.scaled_dot_product_attention(q, cache.k[:, :at + n], cache.v[:, :at + n], attn_mask=visible,
+    keys = cache.append(0, k.transpose(0, 1), v.transpose(0, 1))
+    cache.advance(n)
+    attn = F.scaled_dot_product_attention(q, cache.k[:, :keys], cache.v[:, :keys], attn_mask=visible,
                                           enable_gqa=True)
     return attn.transpose(0, 1).reshape(n, c.heads * c.head_dim)
 
 
-def static_attention(qkv: torch.Tensor, c: EagleConfig, rope: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
-                     values: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def static_attention(qkv: torch.Tensor, c: EagleConfig, rope: tuple[torch.Tensor, torch.Tensor], kv: torch.Tensor,
+                     slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
     """:func:`cached_attention` in fixed shapes: the rows' keys and values go to ``slots [n]`` of
-    ``keys, values [H_kv, C, d]`` and row ``i`` attends the first ``Kb`` slots where ``visible [n, Kb]``
+    ``kv [2, H_kv, C, d]`` and row ``i`` attends the first ``Kb`` slots where ``visible [n, Kb]``
     holds. Returns ``[n, H d]``."""
     n = qkv.shape[0]
     q, k, v = _roped_heads(qkv, c, rope)
-    keys.index_copy_(1, slots, k)
-    values.index_copy_(1, slots, v)
+    put(kv, slots, k.transpose(0, 1), v.transpose(0, 1))
     kb = visible.shape[1]
-    attn = F.scaled_dot_product_attention(q, keys[:, :kb], values[:, :kb], attn_mask=visible, enable_gqa=True)
+    attn = F.scaled_dot_product_attention(q, kv[0, :, :kb], kv[1, :, :kb], attn_mask=visible, enable_gqa=True)
     return attn.transpose(0, 1).reshape(n, c.heads * c.head_dim)
 
 
-class HeadCache:
-    """The head's keys and values, ``[H_kv, C, d]`` each: ``committed`` pairs first, then ``used -
-    committed`` pending entries (this step's drafted nodes), dropped by :meth:`rollback`."""
+class HeadCache(DraftBuffer):
+    """The head's keys and values (:class:`~speculum.cache.store.DraftBuffer`, one layer), ``k, v
+    [H_kv, C, d]``: ``committed`` pairs first, then ``used - committed`` pending entries (this step's
+    drafted nodes), dropped by :meth:`rollback`."""
 
     def __init__(self, config: EagleConfig, capacity: int, dtype: torch.dtype, device: torch.device):
-        self.k = torch.zeros(config.kv_heads, capacity, config.head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-        self.committed = self.used = 0
+        super().__init__(1, config.kv_heads, config.head_dim, capacity, dtype, device)
 
-    def reserve(self, n: int) -> None:
-        """Room for ``n`` entries in all."""
-        if n > self.k.shape[1]:
-            size = max(n, 2 * self.k.shape[1])
-            for name in ("k", "v"):
-                old = getattr(self, name)
-                new = old.new_zeros(old.shape[0], size, old.shape[2])
-                new[:, :self.used] = old[:, :self.used]
-                setattr(self, name, new)
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[0, 0]
 
-    def commit(self) -> None:
-        self.committed = self.used
-
-    def rollback(self) -> None:
-        self.used = self.committed
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[0, 1]

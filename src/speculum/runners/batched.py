@@ -36,6 +36,7 @@ import torch
 
 from ..attention import Step, folded_attention, grouped, use_math_attention, visibility
 from ..cache import SlotCache
+from ..cache.store import StoreBase, put_rows
 from .base import Forward
 from .decoder import NativeDecoder
 from .invariance import NO_FLOORS, RowFloors
@@ -170,34 +171,43 @@ def batched_forward(decoder: NativeDecoder, pool_kv: torch.Tensor, rows: BatchRo
     Returns one :class:`Forward` per sequence, logits ``[n_j, V]`` (``[1, V]`` for a last-only one)
     and, for ``hidden_layers``, hidden states ``[n_j, D]`` of every row.
     """
-    s = decoder.shape
-    g, d = s.group, s.head_dim
-    single = len(rows.groups) == 1
+    out = decoder.forward_with(rows.ids, rows.positions, PoolStore(decoder, pool_kv, rows, floors is not None),
+                               False, hidden_layers, floors or NO_FLOORS, logit_rows=rows.logit_rows)
+    hidden = {i: h.split(rows.counts) for i, h in out.hidden.items()}
+    return [Forward(part, {i: hs[j] for i, hs in hidden.items()})
+            for j, part in enumerate(out.logits.split(rows.logit_counts))]
 
-    def group_attention(kv: torch.Tensor, grp: AttentionGroup, q: torch.Tensor, sliding: bool) -> torch.Tensor:
-        b, r = grp.batch, grp.width
+
+class PoolStore(StoreBase):
+    """A batched forward's :class:`~speculum.cache.store.KVStore`: each row's entry goes to its
+    sequence's pool slot, and attention runs per group (:class:`AttentionGroup`) over the slots it
+    spans. ``explicit``: decoding groups take the explicit attention path (the reproducible mode)."""
+
+    def __init__(self, decoder: NativeDecoder, pool_kv: torch.Tensor, rows: BatchRows, explicit: bool):
+        self.shape, self.pool_kv, self.rows, self.explicit = decoder.shape, pool_kv, rows, explicit
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        put_rows(self.pool_kv[layer], self.rows.slots, self.rows.writes, k, v)  # [N, H_kv, d]
+
+    def read(self, layer: int, sliding: bool, q: torch.Tensor) -> torch.Tensor:
+        groups = self.rows.groups
+        if len(groups) == 1 and groups[0].rows is None:
+            return self._group(self.pool_kv[layer], groups[0], q, sliding)
+        s = self.shape
+        out = q.new_empty(q.shape[0], s.heads * s.head_dim)
+        for grp in groups:
+            out.index_copy_(0, grp.rows, self._group(self.pool_kv[layer], grp, q.index_select(0, grp.rows), sliding))
+        return out
+
+    def _group(self, kv: torch.Tensor, grp: AttentionGroup, q: torch.Tensor, sliding: bool) -> torch.Tensor:
+        """One group's attention: ``q [N_g, H, d]`` -> ``[N_g, H*d]`` over ``kv [2, S, H_kv, C, d]``."""
+        s = self.shape
+        g, d, b, r = s.group, s.head_dim, grp.batch, grp.width
         qg = q if grp.dense else q.new_zeros(b * r, s.heads, d).index_copy_(0, grp.grid, q)
         qg = qg.view(b, r, s.kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b, s.kv_heads, g * r, d)
         keys, values = kv[0, grp.lo:grp.lo + b, :, :grp.keys], kv[1, grp.lo:grp.lo + b, :, :grp.keys]
-        math = (floors is not None and not grp.prefill) or use_math_attention(g * r, pool_kv.device, grp.keys)
+        math = (self.explicit and not grp.prefill) or use_math_attention(g * r, kv.device, grp.keys)
         out = folded_attention(qg, keys, values, grp.masks[sliding], s.attn_scale, math, s.attn_softcap,
                                row_blocks=grp.prefill)
         out = out.view(b, s.kv_heads, g, r, d).permute(0, 3, 1, 2, 4).reshape(b * r, s.heads * d)
         return out if grp.dense else out.index_select(0, grp.grid)
-
-    def attend(i: int, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        kv = pool_kv[i]  # [2, S, H_kv, C, d]
-        kv[0][rows.slots, :, rows.writes] = k  # [N, H_kv, d] into each row's slot and index
-        kv[1][rows.slots, :, rows.writes] = v
-        if single and rows.groups[0].rows is None:
-            return group_attention(kv, rows.groups[0], q, layer.sliding)
-        out = q.new_empty(q.shape[0], s.heads * d)
-        for grp in rows.groups:
-            out.index_copy_(0, grp.rows, group_attention(kv, grp, q.index_select(0, grp.rows), layer.sliding))
-        return out
-
-    out = decoder.forward_with(rows.ids, rows.positions, attend, False, hidden_layers, floors or NO_FLOORS,
-                               logit_rows=rows.logit_rows)
-    hidden = {i: h.split(rows.counts) for i, h in out.hidden.items()}
-    return [Forward(part, {i: hs[j] for i, hs in hidden.items()})
-            for j, part in enumerate(out.logits.split(rows.logit_counts))]

@@ -18,7 +18,8 @@ a batch of sequences is one forward over their tokens laid end to end, each atte
 (:mod:`speculum.runners.batched`).
 
 The attention itself (masks, grouped-query folding, rotary embedding) is :mod:`speculum.attention`'s;
-where keys and values are stored is the caller's (:meth:`NativeDecoder.forward_with`'s ``attend``).
+where keys and values are stored is the caller's (:meth:`NativeDecoder.forward_with`'s
+:class:`~speculum.cache.store.KVStore`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from ..attention import AttentionLayout, Rotary, attention, capacity_span, rotate, rotate_fused, span_mask
+from ..cache.store import BufferStore, KVStore
 from .base import Forward, layer_types
 from .invariance import NO_FLOORS, RowFloors
 from .packed import packed_linear
@@ -359,38 +361,16 @@ class NativeDecoder:
                    and (n <= OPS_ATTENTION_ROWS or (not last_only and n <= OPS_VERIFY_ROWS))
                    and kv.dtype == torch.float32 and kv.is_contiguous()
                    and all(m is None or (m.dim() == 2 and m.is_contiguous()) for m in masks.values()))
-
-        def attend(i: int, layer: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            mask = masks[layer.sliding]
-            if rowwise:
-                return self.ops.attend_cache(q, k, v, kv, i, write, keys, _EMPTY if mask is None else mask,
-                                             self.shape.attn_scale, self.shape.attn_softcap or 0.0)
-            if self.fused:
-                new = torch.stack((k, v)).transpose(1, 2)  # [2, H_kv, n, d]
-                if isinstance(write, int):
-                    kv[i, :, :, write:write + n] = new
-                else:
-                    kv[i].index_copy_(2, write, new)
-            elif isinstance(write, int):
-                kv[i, 0, :, write:write + n] = k.transpose(0, 1)
-                kv[i, 1, :, write:write + n] = v.transpose(0, 1)
-            else:
-                kv[i, 0].index_copy_(1, write, k.transpose(0, 1))
-                kv[i, 1].index_copy_(1, write, v.transpose(0, 1))
-            return self.attend(q, kv[i, 0, :, :keys], kv[i, 1, :, :keys], masks[layer.sliding], floors is not None)
-
-        if rowwise:  # (the compiled layers read the cache themselves: _layer_ops_forward)
-            attend.rowwise = (kv, write, keys, {sliding: _EMPTY if m is None else m for sliding, m in masks.items()})
-
-        return self.forward_with(ids, positions, attend, last_only, hidden_layers, floors or NO_FLOORS,
+        store = BufferStore(kv, write, keys, masks, self.layout, floors is not None, self.fused,
+                            self.ops if rowwise else None)
+        return self.forward_with(ids, positions, store, last_only, hidden_layers, floors or NO_FLOORS,
                                  extra_embeds=extra_embeds)
 
-    def forward_with(self, ids: torch.Tensor, positions: torch.Tensor, attend, last_only: bool = False,
+    def forward_with(self, ids: torch.Tensor, positions: torch.Tensor, store: KVStore, last_only: bool = False,
                      hidden_layers: Sequence[int] = (), floors: RowFloors = NO_FLOORS,
                      logit_rows: torch.Tensor | None = None, extra_embeds: torch.Tensor | None = None) -> Forward:
-        """:meth:`forward` with the cache left to ``attend(i, layer, q [n, H, d], k, v [n, H_kv, d])
-        -> [n, H*d]``, which stores layer ``i``'s new keys and values where it keeps them and returns
-        the attention output (how KV policies run the model: :mod:`speculum.runners.policy`).
+        """:meth:`forward` over any :class:`~speculum.cache.store.KVStore` (``store``: where each
+        layer's new keys and values go and what its queries read; a KV policy's, a slot pool's).
 
         ``hidden_layers``: ``{i: [n, D]}`` to return, numbered as transformers'
         ``output_hidden_states``: 0 the embeddings, ``i`` the ``i``-th layer's output, ``layers`` the
@@ -406,7 +386,7 @@ class NativeDecoder:
         rope = self.rope(positions)
         last = len(self.layers)
         for i, layer in enumerate(self.layers):
-            h = self.layer_forward(i, layer, h, rope, attend, floors)
+            h = self.layer_forward(i, layer, h, rope, store, floors)
             if i + 1 in hidden_layers and i + 1 < last:
                 hidden[i + 1] = h
         if last in hidden_layers:
@@ -435,11 +415,12 @@ class NativeDecoder:
             rope[kind] = cos, sin
         return rope
 
-    def layer_forward(self, i: int, layer: Layer, h: torch.Tensor, rope: dict, attend,
+    def layer_forward(self, i: int, layer: Layer, h: torch.Tensor, rope: dict, store: KVStore,
                       floors: RowFloors = NO_FLOORS) -> torch.Tensor:
-        """One decoder layer on ``h [n, D]``; ``attend`` and ``floors`` as in :meth:`forward_with`."""
+        """One decoder layer on ``h [n, D]``; ``store`` and ``floors`` as in :meth:`forward_with`
+        (``i``: the layer's index in the store)."""
         if self.ops is not None and isinstance(layer.input_norm, RMSNorm):  # (a draft's layers: its own norms)
-            return self._layer_ops_forward(i, layer, h, rope, attend, floors)
+            return self._layer_ops_forward(i, layer, h, rope, store, floors)
         s = self.shape
         n = h.shape[0]
         cos, sin = rope["sliding_attention" if layer.sliding else "full_attention"]
@@ -452,7 +433,7 @@ class NativeDecoder:
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        a = layer.o(attend(i, layer, q, k, v), floors.o)
+        a = layer.o(store.attend(i, layer.sliding, q, k, v), floors.o)
         if layer.pre_mlp_norm is not None:  # Gemma: norms on both sides of each block
             h = h + layer.post_attn_norm(a)
             x = layer.pre_mlp_norm(h)
@@ -463,17 +444,16 @@ class NativeDecoder:
         m = layer.down(self.act(gate) * up, floors.down)
         return h + (layer.post_mlp_norm(m) if layer.post_mlp_norm is not None else m)
 
-    def _layer_ops_forward(self, i: int, layer: Layer, h: torch.Tensor, rope: dict, attend,
+    def _layer_ops_forward(self, i: int, layer: Layer, h: torch.Tensor, rope: dict, store: KVStore,
                            floors: RowFloors = NO_FLOORS) -> torch.Tensor:
         """:meth:`layer_forward` on the compiled layer ops (quantized weights, float32): the norms with
         their residual adds, and the q/k norms with the rotary embedding, each one call. (``floors``
         pad only the float products a quantized model may keep: the quantized ones need none.)"""
         s, ops = self.shape, self.ops
         cos, sin = rope["sliding_attention" if layer.sliding else "full_attention"]
-        cache = getattr(attend, "rowwise", None)
-        compiled = self._compiled_layer(i, layer) if cache is not None else None
+        compiled = self._compiled_layer(i, layer) if store.compiled is not None else None
         if compiled is not None:
-            kv, write, keys, masks = cache
+            kv, write, keys, masks = store.compiled
             return compiled.step(h, cos, sin, kv, write, keys, masks[layer.sliding])
         norm = layer.input_norm
         x = ops.rms_norm(h.contiguous(), norm.scale32, norm.eps)
@@ -481,7 +461,7 @@ class NativeDecoder:
         qn, kn = layer.q_norm, layer.k_norm
         q, k, v = ops.rope_qkv(qkv, cos, sin, s.heads, s.kv_heads, _EMPTY if qn is None else qn.scale32,
                                _EMPTY if kn is None else kn.scale32, 0.0 if qn is None else qn.eps)
-        a = _product(ops, layer.o, attend(i, layer, q, k, v), floors.o)
+        a = _product(ops, layer.o, store.attend(i, layer.sliding, q, k, v), floors.o)
         if layer.pre_mlp_norm is not None:  # Gemma: norms on both sides of each block
             post, nxt = layer.post_attn_norm, layer.pre_mlp_norm
             h, x = ops.add_rms_norm(h, a, post.scale32, post.eps, nxt.scale32, nxt.eps)

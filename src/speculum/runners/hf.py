@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache
 
 from ..attention import Step, folded_attention, grouped, use_math_attention, visibility
 from ..cache import StaticKVCache
+from ..cache.store import put
 from ..errors import SpeculumError
 from ..models import context_length
 from .base import Forward, RunnerBase, layer_types
@@ -74,8 +75,7 @@ class _CacheView(Cache):
         c = self.cache
         n = key_states.shape[2]
         end = c.length + n
-        c.kv[layer_idx, 0, :, c.length:end].copy_(key_states[0])
-        c.kv[layer_idx, 1, :, c.length:end].copy_(value_states[0])
+        put(c.kv[layer_idx], c.length, key_states[0].transpose(0, 1), value_states[0].transpose(0, 1))
         c.pending = n
         return c.kv[layer_idx, 0, :, :end][None], c.kv[layer_idx, 1, :, :end][None]
 

@@ -8,11 +8,10 @@ so a policy that keeps everything gets bit-identical keys, values and logits.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ..attention import attention_probs, grouped, visibility
+from ..cache.store import put
 
 SCORE_ROWS = 32  # prompt queries per slice when accumulating attention (H2O)
 
@@ -51,10 +50,9 @@ def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, w
             else:  # sliding-window layers and a short last chunk: built for this chunk and layer
                 vis = visibility(a, positions[a:b], None, s.sliding_window)[layer.sliding]
                 mask = grouped(vis, s.group, decoder.dtype)
-            attend = functools.partial(_chunk_attention, decoder, buf, a, b, mask, acc,
-                                       tail if want == "window" and b > w0 else None, w0)
+            chunk_store = ChunkStore(decoder, buf, a, b, mask, acc, tail if want == "window" and b > w0 else None, w0)
             part = {kind: (cos[a:b], sin[a:b]) for kind, (cos, sin) in rope.items()}
-            h[a:b] = decoder.layer_forward(i, layer, h[a:b], part, attend)
+            h[a:b] = decoder.layer_forward(i, layer, h[a:b], part, chunk_store)
             if shared:
                 causal.release(a, b)
         layer_scores = acc
@@ -91,18 +89,27 @@ class ChunkCausalMask:
         self.buf[:, a:b] = 0
 
 
-def _chunk_attention(decoder, buf, a, b, mask, acc, tail, w0, _i, _layer, q, k, v):
-    """One prompt chunk's attention in one layer: store its entries at ``a .. b-1`` of ``buf [2, H_kv,
-    n, d]``, attend over ``0 .. b-1``; add its attention to ``acc`` and keep the queries of positions
-    ``w0 ..`` in ``tail`` when those are given."""
-    buf[0, :, a:b] = k.transpose(0, 1)
-    buf[1, :, a:b] = v.transpose(0, 1)
-    if acc is not None:  # in slices of query rows: the float32 weights of a whole chunk would be g*256*b
-        m, g = q.shape[0], decoder.shape.group
-        for r in range(0, m, SCORE_ROWS):
-            rows = None if mask is None else mask.view(g, m, -1)[:, r:r + SCORE_ROWS].reshape(-1, mask.shape[-1])
-            acc[:, :b] += attention_probs(q[r:r + SCORE_ROWS], buf[0, :, :b], rows, decoder.shape.attn_scale,
-                                          decoder.shape.attn_softcap).sum(1)
-    if tail is not None:
-        tail.append(q[max(0, w0 - a):])
-    return decoder.attend(q, buf[0, :, :b], buf[1, :, :b], mask)
+class ChunkStore:
+    """One prompt chunk's :class:`~speculum.cache.store.KVStore` in one layer: its entries go to
+    ``a .. b-1`` of the layer's buffer ``buf [2, H_kv, n, d]`` and it attends over ``0 .. b-1``; its
+    attention is added to ``acc [H_kv, n]`` and the queries of positions ``w0 ..`` kept in ``tail``
+    where those are given."""
+
+    compiled = None
+
+    def __init__(self, decoder, buf, a: int, b: int, mask, acc, tail, w0: int):
+        self.decoder, self.buf, self.a, self.b, self.mask = decoder, buf, a, b, mask
+        self.acc, self.tail, self.w0 = acc, tail, w0
+
+    def attend(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        decoder, buf, a, b, mask = self.decoder, self.buf, self.a, self.b, self.mask
+        put(buf, a, k, v)
+        if self.acc is not None:  # in slices of query rows: the float32 weights of a whole chunk would be g*256*b
+            m, g = q.shape[0], decoder.shape.group
+            for r in range(0, m, SCORE_ROWS):
+                rows = None if mask is None else mask.view(g, m, -1)[:, r:r + SCORE_ROWS].reshape(-1, mask.shape[-1])
+                self.acc[:, :b] += attention_probs(q[r:r + SCORE_ROWS], buf[0, :, :b], rows, decoder.shape.attn_scale,
+                                                   decoder.shape.attn_softcap).sum(1)
+        if self.tail is not None:
+            self.tail.append(q[max(0, self.w0 - a):])
+        return decoder.attend(q, buf[0, :, :b], buf[1, :, :b], mask)

@@ -6,7 +6,7 @@ calls it where a runner's work touches the cache:
 - prefill runs layer by layer (:func:`~speculum.runners.layerwise.prefill_layerwise`) and hands
   each layer to the policy, which keeps what it wants; ``query_start`` (the query-agnostic
   protocol) compresses ``prompt[:query_start]`` first and appends the rest as decoding steps;
-- every forward's attention goes through the policy's ``attend``;
+- every forward's attention goes through the policy's ``attend`` (:class:`PolicyStore`);
 - :meth:`PolicyRunner.commit` tells the policy what is kept (``before_commit``), commits, and lets
   it evict, quantize or refresh its bounds (``after_commit``).
 
@@ -89,13 +89,8 @@ class PolicyRunner(RunnerBase):
 
     def _run(self, cache, ids: list[int], step: Step, last_only: bool, hidden_layers: Sequence[int]) -> Forward:
         cache.begin(step.positions)
-        policy = self.policy
-
-        def attend(i, layer, q, k, v):
-            return policy.attend(cache, i, layer.sliding, q, k, v, step)
-
-        out = self.decoder.forward_with(torch.tensor(ids, device=self.device), step.positions, attend, last_only,
-                                        hidden_layers)
+        out = self.decoder.forward_with(torch.tensor(ids, device=self.device), step.positions,
+                                        PolicyStore(self.policy, cache, step), last_only, hidden_layers)
         cache.pending = len(ids)
         return out
 
@@ -104,3 +99,17 @@ class PolicyRunner(RunnerBase):
         self.policy.before_commit(cache, keep)
         cache.commit(keep)
         self.policy.after_commit(cache)
+
+
+class PolicyStore:
+    """A forward's :class:`~speculum.cache.store.KVStore` under a KV policy: the policy writes the
+    new entries into ``cache`` (a :class:`~speculum.cache.PositionedKVCache` or
+    :class:`~speculum.cache.QuantKVCache`, through its ``write``) and attends over what it selects."""
+
+    compiled = None
+
+    def __init__(self, policy, cache, step: Step):
+        self.policy, self.cache, self.step = policy, cache, step
+
+    def attend(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.policy.attend(self.cache, layer, sliding, q, k, v, self.step)
