@@ -13,7 +13,6 @@ from test_sampling import PARAMS, VOCAB, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.attention import grouped
 from speculum.drafters import DRAFTERS
-from speculum.drafters.dynamic_tree import DynamicTree
 from speculum.drafters.kv_draft import kv_draft_options
 from speculum.drafters.ngram import NgramDrafter
 from speculum.drafting import self_forward as self_draft_runner
@@ -25,6 +24,7 @@ from speculum.drafting.quantized_copy import (
     quantized_head,
 )
 from speculum.drafting.self_forward import page_bounds
+from speculum.drafting.tree_growth import DynamicTree
 from speculum.engine import Engine
 from speculum.errors import SpeculumError
 from speculum.kv import make_policy

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from speculum.drafters.dynamic_tree import DynamicTree
+from speculum.drafting.tree_growth import DynamicTree
 from speculum.runners import HFRunner
 from speculum.tree import DraftTree
 

@@ -1,6 +1,6 @@
 """EAGLE-2's dynamic tree grown on the device in fixed shapes, one CUDA graph per step.
 
-:class:`~speculum.drafters.dynamic_tree.DynamicTree` grows the tree on the host: after each depth it
+:class:`~speculum.drafting.tree_growth.DynamicTree` grows the tree on the host: after each depth it
 reads the head's top-k back (a host synchronisation) and picks the next frontier in Python, so on a
 GPU each depth costs a round trip and a few dozen kernel launches. Here the growth is the EAGLE
 reference implementation's, in shapes that do not depend on the data:
@@ -32,8 +32,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..drafting.tree_growth import DynamicTree
 from ..runners.graphs import bucket, capture_graph, key_buckets
-from .dynamic_tree import DynamicTree
 
 
 class DeviceTreeGrowth:

@@ -9,7 +9,7 @@ seen (the bonus token, and any accepted tokens it did not draft itself), then dr
   sampled from its own distribution q (the engine's temperature / top-k / top-p applied to its
   logits), q being attached to the tree so the verifier can accept with ``min(1, p/q)``;
 - **a tree** (``top_k > 1``, greedy requests): EAGLE-2's dynamic tree
-  (:mod:`~speculum.drafters.dynamic_tree`) over ``depth`` depths, each depth one forward of the
+  (:mod:`~speculum.drafting.tree_growth`) over ``depth`` depths, each depth one forward of the
   draft model over the root and the nodes being expanded (with their ancestors), the nodes scored
   by their path's draft probability for the engine's tree sizer. Sampled requests draft a chain.
 
@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import torch
 
+from ..drafting.tree_growth import DynamicTree
 from ..errors import SpeculumError
 from ..runners import runner_for
 from ..tree import DraftTree
 from ..verify import Acceptance
 from .base import Drafter
-from .dynamic_tree import DynamicTree
 from .hit_rates import HitRates, record_tree
 
 
@@ -134,10 +134,8 @@ class DraftModelDrafter(Drafter):
         grow = DynamicTree(self.top_k, self.min_path_prob, self.end_ids)
         logits = self.runner.forward_tree(self.cache, root, DraftTree())  # [1, V]
         level = grow.add_children([-1], torch.log_softmax(logits.float(), -1))
-        for _ in range(1, depth):
-            frontier = grow.frontier(level)
-            if not frontier:
-                break
+
+        def expand(frontier: list[int], _e: int) -> torch.Tensor:
             fed: set[int] = set()
             for node in frontier:  # the frontier and its ancestors, in creation (topological) order
                 while node >= 0 and node not in fed:
@@ -149,7 +147,9 @@ class DraftModelDrafter(Drafter):
                             [row[grow.parents[i]] if grow.parents[i] >= 0 else -1 for i in order])
             out = self.runner.forward_tree(self.cache, root, sub)  # [1 + len(sub), V]
             rows = torch.tensor([1 + row[node] for node in frontier], device=out.device)
-            level = grow.add_children(frontier, torch.log_softmax(out.index_select(0, rows).float(), -1))
+            return torch.log_softmax(out.index_select(0, rows).float(), -1)
+
+        grow.grow(level, depth - 1, expand)
         self.cache.commit([0])  # the root's entry; the nodes' are overwritten next time
         self.seen.append(root)
         return grow.result(min(self.max_nodes, budget))

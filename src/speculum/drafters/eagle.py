@@ -5,7 +5,7 @@ The head (:mod:`speculum.heads.eagle`) reads the target's final-norm hidden stat
 token, which the engine hands over as the tokens are cached (:meth:`Drafter.see_hidden`). Each
 step the head first catches up on the pairs it has not seen (``(f_t, x_{t+1})`` for every newly
 cached ``t``, the target's true features), which predicts the root's feature. Then, greedy, it
-grows EAGLE-2's dynamic tree (:mod:`speculum.drafters.dynamic_tree`): expanding a node is one
+grows EAGLE-2's dynamic tree (:mod:`speculum.drafting.tree_growth`): expanding a node is one
 head forward whose pair is the parent's *predicted* feature and the node's token, attending the
 node's ancestors in the head's cache; all nodes of one depth go in one forward.
 
@@ -30,15 +30,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from ..drafting.tree_growth import DynamicTree, sample_chain
 from ..heads import HeadCache, head_for_target
 from ..tree import DraftTree
 from ..weights import model_device
 from .base import Drafter
 from .device_tree import DeviceTreeGrowth
-from .dynamic_tree import DynamicTree
 from .text_lookup import TextLookup
 
 CATCH_UP_CHUNK = 512  # pairs per head forward while catching up (a prompt's)
@@ -137,32 +136,25 @@ class EagleDrafter(TextLookup, Drafter):
             self.fed += m
         return out[-1]
 
-    def _full_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """``[..., K]`` draft-vocabulary logits -> ``[..., V]`` (``-inf`` outside the draft vocabulary)."""
-        if self.tables.vocab is None:
-            return draft_logits
-        full = draft_logits.new_full((*draft_logits.shape[:-1], self.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.tables.vocab, draft_logits)
-
     def _sampled_chain(self, feat: torch.Tensor, root_pos: int, k: int) -> DraftTree:
-        drafted, qs = [], []
-        slots: list[int] = []
-        for i in range(k):
-            q = self.params.probs(self._full_logits(self.tables.logits(feat).float()))
-            nxt = int(torch.multinomial(q, 1, generator=self.generator))
-            drafted.append(nxt)
-            qs.append(q)
-            if i + 1 == k or nxt in self.end_ids:
-                break
-            c = self.cache
+        c, slots = self.cache, []  # the chain's pending head-cache slots
+
+        def advance(tok: int, i: int) -> torch.Tensor:
+            nonlocal feat
             visible = torch.zeros(1, c.used + 1, dtype=torch.bool, device=self.device)
             visible[0, :c.committed] = True
             visible[0, slots] = True
             visible[0, c.used] = True
             slots.append(c.used)
-            feat = self.head.step(feat[None], self.tables.embeds(torch.tensor([nxt], device=self.device)),
+            feat = self.head.step(feat[None], self.tables.embeds(torch.tensor([tok], device=self.device)),
                                   torch.tensor([root_pos + i], device=self.device), c, visible)[0]
-        return DraftTree.chain(drafted, torch.stack(qs))
+            return self._logits(feat)
+
+        return sample_chain(self._logits(feat), k, self.params, self.generator, advance, self.end_ids)
+
+    def _logits(self, feat: torch.Tensor) -> torch.Tensor:
+        """A predicted feature ``[D]`` -> full-vocabulary logits ``[V]`` (float32)."""
+        return self.tables.full_logits(self.tables.logits(feat).float(), self.vocab_size)
 
     def _tree(self, root_feat: torch.Tensor, root_pos: int, budget: int, tokens: list[int]) -> DraftTree:
         c = self.cache
@@ -179,29 +171,18 @@ class EagleDrafter(TextLookup, Drafter):
         level = grow.add_children([-1], torch.log_softmax(self.tables.logits(root_feat[None]).float(), -1),
                                   self.tables.token_ids)
         feats = {-1: root_feat}
-        for depth in range(1, min(self.depth, budget)):
-            if self.look_up_under(grow, level, tokens, room):
-                break
-            frontier = grow.frontier(level)
-            if not frontier:  # no path left worth a head forward: stop drafting deeper
-                break
-            m = len(frontier)
-            visible = np.zeros((m, c.used + m), dtype=bool)
+
+        def expand(frontier: list[int], depth: int) -> torch.Tensor:
+            visible = grow.expansion_mask(frontier, c.used, slot, anc)
             visible[:, :c.committed] = True
-            for r, node in enumerate(frontier):
-                parent = grow.parents[node]
-                anc[node] = anc[parent] + ([slot[parent]] if parent >= 0 else [])
-                visible[r, anc[node]] = True
-                slot[node] = c.used + r
-                visible[r, c.used + r] = True
             parent_feats = torch.stack([feats[grow.parents[i]] for i in frontier])
             ids = torch.tensor([grow.tokens[i] for i in frontier], device=self.device)
-            positions = torch.full((m,), root_pos + depth - 1, device=self.device)
+            positions = torch.full((len(frontier),), root_pos + depth - 1, device=self.device)
             out = self.head.step(parent_feats, self.tables.embeds(ids), positions, c,
                                  torch.from_numpy(visible).to(self.device))  # [m, D]
             feats.update(zip(frontier, out))
-            level = grow.add_children(frontier, torch.log_softmax(self.tables.logits(out).float(), -1),
-                                      self.tables.token_ids)
-        else:
-            self.look_up_under(grow, level, tokens, room)
+            return torch.log_softmax(self.tables.logits(out).float(), -1)
+
+        grow.grow(level, min(self.depth, budget) - 1, expand, self.tables.token_ids,
+                  lambda lv: self.look_up_under(grow, lv, tokens, room))
         return grow.result(room)

@@ -3,7 +3,7 @@
 Head ``k`` (:mod:`speculum.heads.hydra`) reads the feature of the token before the root and the
 embeddings of the root and the path drafted down to depth ``k - 1``, and predicts the token at depth
 ``k``. So, unlike ``medusa``, each branch gets its own continuation, and the tree grows as EAGLE-2's
-dynamic tree (:mod:`speculum.drafters.dynamic_tree`): depth ``k`` expands the best nodes of depth
+dynamic tree (:mod:`speculum.drafting.tree_growth`): depth ``k`` expands the best nodes of depth
 ``k - 1`` in one call of head ``k``; with ``lookup``, after each depth the best path is looked up in
 the text (:mod:`speculum.drafters.text_lookup`) and, where it occurred before, what followed it there
 ends the draft. Sampled requests draft a chain, each token drawn from its
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from ..drafting.tree_growth import DynamicTree
 from ..tree import DraftTree
-from .dynamic_tree import DynamicTree
 from .medusa import HeadDrafter
 from .text_lookup import TextLookup
 
@@ -49,14 +49,7 @@ class HydraDrafter(TextLookup, HeadDrafter):
         grow = DynamicTree(self.top_k, self.min_path_prob, self.end_ids)
         room = min(self.max_nodes, budget)
         level = grow.add_children([-1], torch.log_softmax(self._logits(1, [[root]]), -1), self.tables.token_ids)
-        for k in range(2, depth + 1):
-            if self.look_up_under(grow, level, tokens, room):
-                break
-            frontier = grow.frontier(level)
-            if not frontier:
-                break
-            logp = torch.log_softmax(self._logits(k, [[root] + grow.path(i) for i in frontier]), -1)
-            level = grow.add_children(frontier, logp, self.tables.token_ids)
-        else:
-            self.look_up_under(grow, level, tokens, room)
+        grow.grow(level, depth - 1,  # expansion e runs head e + 1
+                  lambda frontier, e: torch.log_softmax(self._logits(e + 1, [[root] + grow.path(i) for i in frontier]), -1),
+                  self.tables.token_ids, lambda lv: self.look_up_under(grow, lv, tokens, room))
         return grow.result(room)

@@ -9,7 +9,7 @@ the root included, through the layers and the adapter (committed to both caches)
 output gives the first depth. Drafting then stops early, the paper's second early exit, where the
 draft is unsure: with ``top_k=1`` (the paper's chains) when a token's own probability is below
 ``exit_confidence``; with wider trees (EAGLE-2's dynamic tree,
-:mod:`speculum.drafters.dynamic_tree`) where a path's probability falls below ``min_path_prob``.
+:mod:`speculum.drafting.tree_growth`) where a path's probability falls below ``min_path_prob``.
 Expanding a node runs its token through the shallow layers and the adapter, attending its
 ancestors' pending entries; all nodes of one depth go in one call.
 
@@ -31,12 +31,12 @@ from pathlib import Path
 import torch
 
 from ..drafting.layer_subset import LayerSubset
+from ..drafting.tree_growth import DynamicTree, sample_chain
 from ..errors import SpeculumError
 from ..heads import HeadCache, head_for_target
 from ..runners import runner_for
 from ..tree import DraftTree
 from .base import Drafter
-from .dynamic_tree import DynamicTree
 from .text_lookup import TextLookup
 
 CATCH_UP_CHUNK = 512  # tokens per shallow forward while catching up (a prompt's)
@@ -107,20 +107,13 @@ class KangarooDrafter(TextLookup, Drafter):
         return self._tree(root_feat, len(tokens) - 1, budget, tokens)
 
     def _sampled_chain(self, feat: torch.Tensor, root_pos: int, k: int) -> DraftTree:
-        drafted, qs = [], []
-        for i in range(k):
-            logits = self.tables.logits(feat[None]).float()[0]
-            if self.tables.vocab is not None:
-                logits = logits.new_full((self.vocab_size,), float("-inf")).index_copy_(0, self.tables.vocab, logits)
-            q = self.params.probs(logits)
-            drafted.append(int(torch.multinomial(q, 1, generator=self.generator)))
-            qs.append(q)
-            if i + 1 == k or drafted[-1] in self.end_ids:
-                break
-            used = self.shallow.used
-            visible = torch.ones(1, used + 1, dtype=torch.bool, device=self.device)
-            feat = self._run(drafted[-1:], torch.tensor([root_pos + i + 1], device=self.device), visible)[0]
-        return DraftTree.chain(drafted, torch.stack(qs))
+        logits = lambda f: self.tables.full_logits(self.tables.logits(f[None]).float()[0], self.vocab_size)
+
+        def advance(tok: int, i: int) -> torch.Tensor:
+            visible = torch.ones(1, self.shallow.used + 1, dtype=torch.bool, device=self.device)
+            return logits(self._run([tok], torch.tensor([root_pos + i + 1], device=self.device), visible)[0])
+
+        return sample_chain(logits(feat), k, self.params, self.generator, advance, self.end_ids)
 
     def _tree(self, root_feat: torch.Tensor, root_pos: int, budget: int, tokens: list[int]) -> DraftTree:
         grow = DynamicTree(self.top_k, self.min_path_prob if self.top_k > 1 else 0.0, self.end_ids)
@@ -128,20 +121,16 @@ class KangarooDrafter(TextLookup, Drafter):
         anc: dict[int, list[int]] = {-1: []}  # node -> pending slots of its expanded ancestors
         room = min(self.max_nodes, budget)
         level = grow.add_children([-1], self._logp(root_feat[None]), self.tables.token_ids)
-        for depth in range(1, min(self.depth, budget)):
-            if self.look_up_under(grow, level, tokens, room):
-                break
-            frontier = grow.frontier(level)
-            if self.top_k == 1:  # the paper's early exit: the token's own confidence
-                frontier = grow.confident(frontier, self.exit_confidence)
-            if not frontier:
-                break
-            m = len(frontier)
+
+        def expand(frontier: list[int], depth: int) -> torch.Tensor:
             visible = grow.expansion_mask(frontier, self.shallow.used, slot, anc)
             visible[:, :self.shallow.committed] = True
-            positions = torch.full((m,), root_pos + depth, device=self.device)
-            feats = self._run([grow.tokens[i] for i in frontier], positions, torch.from_numpy(visible).to(self.device))
-            level = grow.add_children(frontier, self._logp(feats), self.tables.token_ids)
-        else:
-            self.look_up_under(grow, level, tokens, room)
+            positions = torch.full((len(frontier),), root_pos + depth, device=self.device)
+            return self._logp(self._run([grow.tokens[i] for i in frontier], positions,
+                                        torch.from_numpy(visible).to(self.device)))
+
+        # the paper's early exit (top_k 1): the token's own confidence
+        grow.grow(level, min(self.depth, budget) - 1, expand, self.tables.token_ids,
+                  lambda lv: self.look_up_under(grow, lv, tokens, room),
+                  self.exit_confidence if self.top_k == 1 else None)
         return grow.result(room)

@@ -4,7 +4,7 @@ Head ``k`` (:mod:`speculum.heads.medusa`) reads the feature of the token before 
 one cached, whose LM-head output chose the root) and predicts the token at depth ``k`` below the
 root, whatever the tokens in between. A greedy step runs every head once and builds the tree
 best-first from the product of the heads' probabilities
-(:func:`~speculum.drafters.dynamic_tree.product_tree`): a node at depth ``k`` is one of head
+(:func:`~speculum.drafting.tree_growth.product_tree`): a node at depth ``k`` is one of head
 ``k``'s ``top_k`` tokens, its score the product of its path's probabilities; the engine's tree
 sizer trims by those scores. Sampled requests draft a chain, token ``k`` drawn from head ``k``'s
 distribution q (the request's temperature / top-k / top-p applied), q attached for the verifier.
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
+from ..drafting.tree_growth import product_tree
 from ..heads import head_for_target
 from ..tree import DraftTree
 from ..weights import model_device
 from .base import Drafter
-from .dynamic_tree import product_tree
 
 
 class HeadDrafter(Drafter):
@@ -54,10 +54,7 @@ class HeadDrafter(Drafter):
     def q(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """The request's sampling distribution ``[V]`` of draft logits ``[K]`` (zero outside a
         trimmed draft vocabulary)."""
-        full = draft_logits
-        if self.tables.vocab is not None:
-            full = draft_logits.new_full((self.vocab_size,), float("-inf")).index_copy_(0, self.tables.vocab, draft_logits)
-        return self.params.probs(full)
+        return self.params.probs(self.tables.full_logits(draft_logits, self.vocab_size))
 
 
 class MedusaDrafter(HeadDrafter):

@@ -7,7 +7,7 @@ path. After verification the outputs of the rows hung after the last accepted no
 nothing was accepted) predict the tokens after the bonus token: depth ``d`` of the next tree takes
 its candidates from prompt position ``d``'s ``top_k`` tokens (the same for every parent, as in
 Medusa), grown best-first by the product of their probabilities
-(:func:`~speculum.drafters.dynamic_tree.product_tree`). Its nodes'
+(:func:`~speculum.drafting.tree_growth.product_tree`). Its nodes'
 scores feed the engine's tree sizer, PPD's hardware-aware sparse tree; prompt rows follow the
 nodes the sizer keeps.
 
@@ -29,11 +29,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..drafting.tree_growth import product_tree
 from ..heads import head_for_target
 from ..tree import DraftTree, PromptRows
 from ..verify import Acceptance
 from .base import Drafter
-from .dynamic_tree import product_tree
 
 
 class PPDDrafter(Drafter):

@@ -12,7 +12,7 @@ nothing to catch up on); its logits give the first depth. Then, greedy:
   with the drafted one): where it occurred before, the ``k`` tokens that followed it end the chain
   without further draft forwards. Copied text (a needle's value, a quoted question) then costs
   one draft forward instead of one per token;
-- ``top_k>1``: EAGLE-2's dynamic tree (:mod:`speculum.drafters.dynamic_tree`), all nodes of one depth
+- ``top_k>1``: EAGLE-2's dynamic tree (:mod:`speculum.drafting.tree_growth`), all nodes of one depth
   in one forward, growth stopping where a path's probability falls below ``min_path_prob``.
 
 Sampled requests draft a chain, each token drawn from the draft's own distribution q (the request's
@@ -37,13 +37,13 @@ import torch
 
 from ..drafting.quantized_copy import TrimmedHead, quantized_head
 from ..drafting.self_forward import SelfDraft, check_plain_cache
+from ..drafting.tree_growth import DynamicTree, sample_chain
 from ..errors import SpeculumError
 from ..heads import shipped_draft_vocab
 from ..runners import runner_for
 from ..runners.decoder import NativeDecoder
 from ..tree import DraftTree
 from .base import Drafter
-from .dynamic_tree import DynamicTree
 from .text_lookup import TextLookup
 
 
@@ -136,24 +136,12 @@ class SelfDrafter(TextLookup, Drafter):
 
     def _sampled_chain(self, model: SelfDraft, logits: torch.Tensor, root_pos: int, k: int,
                        tokens: list[int], room: int) -> DraftTree:
-        drafted, qs = [], []
-        for i in range(k):
-            q = self.params.probs(logits)
-            tok = int(torch.multinomial(q, 1, generator=self.generator))
-            drafted.append(tok)
-            qs.append(q)
-            if tok in self.end_ids:
-                break
-            found = self.looked_up(tokens, drafted, room)
-            if found:  # looked-up tokens are certain: q is a point mass on each
-                drafted += found
-                qs += torch.nn.functional.one_hot(self._ids(found), q.shape[-1]).to(q.dtype)
-                break
-            if i + 1 == k or float(q[tok]) < self.exit_confidence:
-                break
+        def advance(tok: int, i: int) -> torch.Tensor:
             visible = torch.ones(1, model.used + 1, dtype=torch.bool, device=self.device)
-            logits = model.run(self._ids([tok]), self._pos([root_pos + i + 1]), visible)[0]
-        return DraftTree.chain(drafted, torch.stack(qs))
+            return model.run(self._ids([tok]), self._pos([root_pos + i + 1]), visible)[0]
+
+        return sample_chain(logits, k, self.params, self.generator, advance, self.end_ids,
+                            lambda drafted: self.looked_up(tokens, drafted, room), self.exit_confidence)
 
     def _tree(self, model: SelfDraft, root_logits: torch.Tensor, root_pos: int, depth: int, budget: int,
               tokens: list[int]) -> DraftTree:
@@ -162,19 +150,16 @@ class SelfDrafter(TextLookup, Drafter):
         anc: dict[int, list[int]] = {-1: [0]}  # node -> pending slots of its ancestors, the root's included
         room = min(self.max_nodes, budget)
         level = grow.add_children([-1], torch.log_softmax(root_logits[None].float(), -1))
-        for d in range(1, depth + 1):
-            if self.top_k == 1 and self.look_up_under(grow, level[:1], tokens, room):
-                break
-            if d == depth:
-                break
-            frontier = grow.frontier(level)
-            if self.top_k == 1:  # confidence-aware stop: the token's own probability
-                frontier = grow.confident(frontier, self.exit_confidence)
-            if not frontier:
-                break
-            m = len(frontier)
+
+        def expand(frontier: list[int], d: int) -> torch.Tensor:
             visible = grow.expansion_mask(frontier, model.used, slot, anc)
-            logits = model.run(self._ids([grow.tokens[i] for i in frontier]), self._pos([root_pos + d] * m),
+            logits = model.run(self._ids([grow.tokens[i] for i in frontier]), self._pos([root_pos + d] * len(frontier)),
                                torch.from_numpy(visible).to(self.device))
-            level = grow.add_children(frontier, torch.log_softmax(logits.float(), -1))
+            return torch.log_softmax(logits.float(), -1)
+
+        # a chain (top_k 1) looks up continuations and stops where its token's own probability is low
+        chain = self.top_k == 1
+        grow.grow(level, depth - 1, expand, None,
+                  (lambda lv: self.look_up_under(grow, lv, tokens, room)) if chain else None,
+                  self.exit_confidence if chain else None)
         return grow.result(room)

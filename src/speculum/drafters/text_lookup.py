@@ -3,7 +3,7 @@
 After each drafted depth, the best path so far is looked up in the request's committed tokens,
 prompt-lookup style (:meth:`~speculum.drafters.ngram.NgramDrafter.continuation`: its last 2-3
 tokens, the drafted ones included). Where it occurred before, the ``lookup`` tokens that followed
-it there hang under it (:meth:`~speculum.drafters.dynamic_tree.DynamicTree.add_path`, each scored
+it there hang under it (:meth:`~speculum.drafting.tree_growth.DynamicTree.add_path`, each scored
 :data:`LOOKUP_PROB`) and the drafter stops drafting deeper: copied text (a quoted question, a needle's value, a summary's
 phrases) costs one draft forward instead of one per token.
 
@@ -14,8 +14,8 @@ each depth; forking and resetting the text index come with the mixin.
 
 from __future__ import annotations
 
+from ..drafting.tree_growth import DynamicTree
 from ..errors import SpeculumError
-from .dynamic_tree import DynamicTree
 from .ngram import NgramDrafter
 
 # the acceptance a token looked up in the text is scored with, per token (for the engine's tree sizer)

@@ -170,6 +170,13 @@ class TargetTables:
         return cls(embed.to(dtype), scale, head.to(dtype).contiguous(), draft_vocab,
                    getattr(cfg, "final_logit_softcapping", None), quantized, qembed)
 
+    def full_logits(self, draft_logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Draft-vocabulary logits ``[..., K]`` -> ``[..., V]``, ``-inf`` outside the draft vocabulary."""
+        if self.vocab is None:
+            return draft_logits
+        full = draft_logits.new_full((*draft_logits.shape[:-1], vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.vocab, draft_logits)
+
     def embeds(self, ids: torch.Tensor) -> torch.Tensor:
         """``ids [...]`` -> ``[..., D]``."""
         if self.quantized_embed is not None:

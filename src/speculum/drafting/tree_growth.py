@@ -1,7 +1,8 @@
 """Draft trees grown from model scores: EAGLE-2's dynamic tree (Li et al. 2024), for every drafter
-that scores a node's children with a model (``eagle``, ``hydra`` and ``kangaroo`` differ only in
-how they expand a node), and Medusa's product tree (:func:`product_tree`, for ``medusa`` and
-``ppd``, whose candidates at a depth do not depend on the parent).
+that scores a node's children with a model (``eagle``, ``hydra``, ``kangaroo``, the self-drafts and
+draft models differ only in how they expand a node: :meth:`DynamicTree.grow`), Medusa's product
+tree (:func:`product_tree`, for ``medusa`` and ``ppd``, whose candidates at a depth do not depend
+on the parent), and the sampled chain (:func:`sample_chain`) those drafters propose when sampling.
 
 Each node's score is its path's cumulative draft log-probability. Growth, depth by depth:
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -94,6 +96,28 @@ class DynamicTree:
             visible[r, used + r] = True
         return visible
 
+    def grow(self, level: list[int], expansions: int, expand: Callable[[list[int], int], torch.Tensor],
+             token_ids=None, look_up: Callable[[list[int]], bool] | None = None,
+             min_confidence: float | None = None) -> None:
+        """Grow the tree below ``level`` (the depth made last) by up to ``expansions`` depths. At each,
+        ``look_up(level)`` may hang a continuation found in the text under it and end the growth (it
+        returns True); the :meth:`frontier` (cut to the :meth:`confident` nodes where ``min_confidence``
+        is given) is expanded by ``expand(frontier, e) -> logp [m, K]`` (``e = 1, 2, ...``: the
+        expansion's number), its children (``token_ids`` as in :meth:`add_children`) the next level.
+        Growth ends early where the frontier is empty; after the last expansion ``look_up`` sees the
+        final level."""
+        for e in range(1, expansions + 1):
+            if look_up is not None and look_up(level):
+                return
+            frontier = self.frontier(level)
+            if min_confidence is not None:
+                frontier = self.confident(frontier, min_confidence)
+            if not frontier:
+                return
+            level = self.add_children(frontier, expand(frontier, e), token_ids)
+        if look_up is not None:
+            look_up(level)
+
     def path(self, node: int) -> list[int]:
         """The tokens from the first depth down to ``node``."""
         out = []
@@ -113,6 +137,33 @@ class DynamicTree:
                 kept.add(i)
         tree = DraftTree(self.tokens, self.parents, scores=[math.exp(s) for s in self.scores])
         return tree.subtree(keep)
+
+
+def sample_chain(logits: torch.Tensor, k: int, params, generator: torch.Generator | None,
+                 advance: Callable[[int, int], torch.Tensor], ends: frozenset[int] = frozenset(),
+                 look_up: Callable[[list[int]], list[int]] | None = None, min_confidence: float = 0.0) -> DraftTree:
+    """A chain of up to ``k`` tokens sampled from a drafter's distributions, with them as its draft
+    probabilities (what sampled verification needs): token ``i`` from ``params.probs(logits)``
+    (``logits [V]``), then ``logits = advance(token, i)`` for the next. The chain ends after an end
+    token, after a token whose probability is below ``min_confidence``, or where ``look_up(drafted)``
+    finds a continuation in the text (appended as certain tokens: a point mass each)."""
+    drafted, qs = [], []
+    for i in range(k):
+        q = params.probs(logits)
+        tok = int(torch.multinomial(q, 1, generator=generator))
+        drafted.append(tok)
+        qs.append(q)
+        if tok in ends:
+            break
+        found = look_up(drafted) if look_up is not None else None
+        if found:
+            drafted += found
+            qs += torch.nn.functional.one_hot(torch.tensor(found, device=q.device), q.shape[-1]).to(q.dtype)
+            break
+        if i + 1 == k or float(q[tok]) < min_confidence:
+            break
+        logits = advance(tok, i)
+    return DraftTree.chain(drafted, torch.stack(qs))
 
 
 def product_tree(ids: list[list[int]], logp: list[list[float]], max_nodes: int) -> DraftTree:
