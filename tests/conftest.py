@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from speculum.drafters.base import Drafter
-from speculum.heads import HEAD_KINDS, save_head
+from speculum.heads import LEARNED, save_head
 from speculum.tree import DraftTree
 
 TINY_VOCAB = 96
@@ -213,7 +213,7 @@ def random_head(model, path, trimmed: bool = False, seed: int = 0, scale: float 
                 **config):
     """A ``kind`` head with random weights (``scale`` sharpens its output) saved to ``path``; ``trimmed``:
     a draft vocabulary of every third token; ``config``: the head config's options (``fuse_layers``)."""
-    config_cls, module_cls = HEAD_KINDS[kind]
+    config_cls, module_cls = LEARNED[kind].config, LEARNED[kind].module
     torch.manual_seed(seed)
     if kind == "kangaroo":  # exit after the first layer (the tiny models have 2 to 4)
         config.setdefault("exit_layer", 1)
@@ -235,7 +235,7 @@ def random_head(model, path, trimmed: bool = False, seed: int = 0, scale: float 
 def random_heads(model, folder, trimmed: bool = False, seed: int = 0) -> tuple:
     """One random head file of every kind, for methods that take several (``--draft-head a,b,c``)."""
     return tuple(random_head(model, Path(folder) / f"{kind}.safetensors", trimmed, seed, kind=kind)
-                 for kind in HEAD_KINDS)
+                 for kind in LEARNED)
 
 
 def committed_per_step(method, prompts, new: int = 40, ar=None) -> float:

@@ -268,7 +268,7 @@ class LlamaCppMethod:
 
 def check_method(name: str, has_draft_model: bool) -> None:
     """Raise :class:`SpeculumError` for an unknown method or one that lacks its draft model (no weights needed)."""
-    if name not in METHODS:
+    if name not in DRAFTERS and name not in HF_METHODS + LLAMA_METHODS:  # (DRAFTERS: learned ones registered since)
         raise SpeculumError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
     if name in NEEDS_DRAFT and not has_draft_model:
         raise SpeculumError(f"method {name!r} needs a draft model (--draft-model)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..train import trainable
 from .common import DTYPE_HELP
 
 
@@ -15,7 +16,7 @@ def add_parser(sub) -> None:
                     "them. Every stage resumes from --out when interrupted. Writes OUT/<kind>.safetensors "
                     "(load it with --draft-head), report.json and loss.png (losses, held-out top-1 accuracy "
                     "by draft depth).")
-    t.add_argument("--kind", default="eagle", choices=["eagle", "medusa", "hydra", "kangaroo", "ppd"],
+    t.add_argument("--kind", default="eagle", choices=trainable(),
                    help="the head to train (default: %(default)s); kinds trained into one --out share its data")
     t.add_argument("--model", default="default", help="as for generate (default: %(default)s)")
     t.add_argument("--out", required=True, help="directory for data, checkpoints, the head and its report")

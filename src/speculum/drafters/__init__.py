@@ -2,7 +2,9 @@
 
 A drafter proposes a :class:`~speculum.tree.DraftTree` below the root each step and learns from what
 the target accepted (:class:`~speculum.drafters.base.Drafter`). Adding one is one file and one line
-in :data:`DRAFTERS`; every engine method (:mod:`speculum.methods`) is a registry entry.
+in :data:`DRAFTERS`; every engine method (:mod:`speculum.methods`) is a registry entry. A learned
+drafter (a head file, a trainer) is one entry of :data:`~speculum.heads.kinds.LEARNED` instead,
+from which its line here is made (:func:`register_learned` adds one at run time).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from ..heads import find_head, pick_head
+from ..heads import LEARNED, LearnedKind, find_head, pick_head
 from .ar import AutoregressiveDrafter
 from .arm_memory import ArmMemory, arm_name
 from .auto import AutoDrafter
@@ -55,10 +57,6 @@ class DrafterEntry:
     remembers_arms: bool = False
 
 
-# the learned drafters ``auto`` adds as arms where their heads exist (every arm costs exploration steps)
-AUTO_LEARNED = ("eagle", "medusa", "hydra", "kangaroo", "ppd")
-
-
 # the self-drafters ``auto_self`` adds as arms (swift is left out: its layer search costs steps and
 # it runs below ar on the packaged models, BENCHMARKS.md "Self-speculation")
 AUTO_SELF = ("lookahead", "quant_self")
@@ -66,11 +64,12 @@ AUTO_SELF = ("lookahead", "quant_self")
 
 def _auto(target=None, draft_head=None, learned: bool | tuple[str, ...] = True, self_drafts: tuple[str, ...] = (),
           memory_key: str | None = None, **options) -> AutoDrafter:
-    """``auto``, with an arm for every learned drafter of ``learned`` (True: :data:`AUTO_LEARNED`)
+    """``auto``, with an arm for every learned drafter of ``learned`` (True: those of
+    :data:`~speculum.heads.kinds.LEARNED` marked ``auto``)
     whose head for the target is given or shipped, and one for each self-drafter of ``self_drafts``;
     ``memory_key``: the calibration key under which retired arms are remembered
     (:mod:`~speculum.drafters.arm_memory`: those are not built)."""
-    kinds = AUTO_LEARNED if learned is True else tuple(learned or ())
+    kinds = tuple(k for k, spec in LEARNED.items() if spec.auto) if learned is True else tuple(learned or ())
     memory = ArmMemory.for_key(memory_key) if memory_key else None
     arms, names = {}, {}
     for kind in kinds if target is not None else ():
@@ -88,6 +87,11 @@ def _auto(target=None, draft_head=None, learned: bool | tuple[str, ...] = True, 
 
 def _mix(**options) -> MixDrafter:
     return MixDrafter([SuffixMergedDrafter(), RecyclingDrafter(tree="scored", pair_context=True)], **options)
+
+
+def learned_entry(kind: LearnedKind) -> DrafterEntry:
+    """The registry line of a learned drafting method (its drafter imported when first built)."""
+    return DrafterEntry(lambda **options: kind.drafter_class()(**options), kind.summary, scored=True, needs_target=True)
 
 
 # the registry: a drafter is one file and one line here
@@ -112,18 +116,9 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "draft_model_tree": DrafterEntry(partial(DraftModelDrafter, top_k=4), "a smaller model with the same tokenizer "
                                      "drafts EAGLE-2's dynamic tree (top 4 per node), sized", scored=True,
                                      needs_draft_model=True),
-    "eagle": DrafterEntry(EagleDrafter, "a trained EAGLE feature head drafting EAGLE-2's dynamic tree",
-                          scored=True, needs_target=True),
+    **{name: learned_entry(kind) for name, kind in LEARNED.items()},  # eagle, medusa, hydra, kangaroo, ppd
     "eagle_fullvocab": DrafterEntry(partial(EagleDrafter, full_vocab=True), "eagle drafting through the target's "
                                     "whole LM head (against its trimmed draft vocabulary)", scored=True, needs_target=True),
-    "medusa": DrafterEntry(MedusaDrafter, "trained Medusa-1 heads on the target's last feature, best-first tree",
-                           scored=True, needs_target=True),
-    "hydra": DrafterEntry(HydraDrafter, "trained Hydra heads (Medusa heads reading the drafted tokens), "
-                          "dynamic tree", scored=True, needs_target=True),
-    "kangaroo": DrafterEntry(KangarooDrafter, "the target's first layers and a trained adapter draft chains with "
-                             "early exit (Kangaroo)", scored=True, needs_target=True),
-    "ppd": DrafterEntry(PPDDrafter, "trained prompt tokens in the verification forward predict the next step's "
-                        "tree (PPD)", scored=True, needs_target=True),
     "swift": DrafterEntry(SwiftDrafter, "the target with layers skipped drafts chains, the skipped set searched "
                           "on the fly (SWIFT)", scored=True, needs_target=True),
     "quant_self": DrafterEntry(QuantSelfDrafter, "an int4 weight-only copy of the target drafts chains over the "
@@ -137,6 +132,14 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "kv_draft": DrafterEntry(KVDraftDrafter, "lossless long context: an int4 copy of the target drafts reading "
                              "only attention sinks and a recent window of the cache (TriForce-style)", scored=True, needs_target=True),
 }
+
+
+
+def register_learned(name: str, kind: LearnedKind) -> None:
+    """Add a learned drafting method at run time: its head files load, ``name`` is a method."""
+    LEARNED[name] = kind
+    DRAFTERS[name] = learned_entry(kind)
+
 
 __all__ = [
     "DRAFTERS",

@@ -21,23 +21,14 @@ from ..errors import SpeculumError
 from .eagle import EagleConfig, EagleHead, HeadCache
 from .hydra import HydraConfig, HydraHeads
 from .kangaroo import KangarooAdapter, KangarooConfig
+from .kinds import LEARNED, LearnedKind
 from .medusa import MedusaConfig, MedusaHeads
 from .ppd import PPDConfig, PPDPrompts
 
 SHIPPED = Path(__file__).parent / "weights"
-# kind -> (config class, module class): a module takes its config and has ``freeze()`` for drafting
-HEAD_KINDS: dict[str, tuple[type, type[torch.nn.Module]]] = {
-    "eagle": (EagleConfig, EagleHead),
-    "medusa": (MedusaConfig, MedusaHeads),
-    "hydra": (HydraConfig, HydraHeads),
-    "kangaroo": (KangarooConfig, KangarooAdapter),
-    "ppd": (PPDConfig, PPDPrompts),
-}
-KINDS = tuple(HEAD_KINDS)
 
 __all__ = [
-    "HEAD_KINDS",
-    "KINDS",
+    "LEARNED",
     "EagleConfig",
     "EagleHead",
     "HeadCache",
@@ -46,6 +37,7 @@ __all__ = [
     "HydraHeads",
     "KangarooAdapter",
     "KangarooConfig",
+    "LearnedKind",
     "LoadedHead",
     "MedusaConfig",
     "MedusaHeads",
@@ -97,7 +89,7 @@ def shipped_draft_vocab(model) -> torch.Tensor | None:
     self-draft's trimmed LM head also uses; None where no shipped head has one."""
     from safetensors import safe_open
 
-    for kind in KINDS:
+    for kind in LEARNED:
         path = find_head(model, kind)
         if path is None:
             continue
@@ -237,11 +229,11 @@ def load_head(path: str | Path, model=None) -> LoadedHead:
     with safe_open(str(path), "pt") as f:
         header = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
-    config_cls, module_cls = HEAD_KINDS[kind]
-    config = config_cls(**json.loads(header["config"]))
+    spec = LEARNED[kind]
+    config = spec.config(**json.loads(header["config"]))
     meta = json.loads(header.get("meta", "{}"))
     vocab = tensors.pop("draft_vocab", None)
-    module = module_cls(config)
+    module = spec.module(config)
     module.load_state_dict({k: v.float() for k, v in tensors.items()})
     module.eval().requires_grad_(False)
     if model is not None:
@@ -276,8 +268,8 @@ def head_kind(path: str | Path) -> str:
             kind = (f.metadata() or {}).get("kind")
     except Exception as e:  # noqa: BLE001 - a truncated or foreign file: say what it is
         raise SpeculumError(f"{path} is not a speculum draft head ({e})") from None
-    if kind not in KINDS:
-        raise SpeculumError(f"{path} is not a speculum draft head (kind {kind!r}; known: {', '.join(KINDS)})")
+    if kind not in LEARNED:
+        raise SpeculumError(f"{path} is not a speculum draft head (kind {kind!r}; known: {', '.join(LEARNED)})")
     return kind
 
 

@@ -5,9 +5,10 @@ Three stages, each resumable (an interrupted run picks up where it stopped, from
 1. prompts (:mod:`speculum.train.prompts`): the project's own set, plus questions the model writes
    itself; recorded in ``prompts.jsonl``;
 2. data (:mod:`speculum.train.distill`): the model answers them, batched, keeping its features;
-3. training (one trainer per kind: :mod:`speculum.train.eagle`, :mod:`speculum.train.medusa` for
-   ``medusa`` and ``hydra``, :mod:`speculum.train.kangaroo`, :mod:`speculum.train.ppd`): the head, checkpointed; then ``<kind>.safetensors``, ``report.json``
-   and ``loss.png``.
+3. training (the kind's trainer, named in :data:`~speculum.heads.kinds.LEARNED`:
+   :mod:`speculum.train.eagle`, :mod:`speculum.train.medusa` for ``medusa`` and ``hydra``,
+   :mod:`speculum.train.kangaroo`, :mod:`speculum.train.ppd`): the head, checkpointed; then
+   ``<kind>.safetensors``, ``report.json`` and ``loss.png``.
 """
 
 from __future__ import annotations
@@ -19,17 +20,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import SpeculumError
+from ..heads.kinds import LEARNED
 
-TRAINABLE = ("eagle", "medusa", "hydra", "kangaroo", "ppd")
-# where a kind's training departs from DraftTraining's defaults (options the user leaves unset)
-KIND_DEFAULTS = {
-    "medusa": {"epochs": 4},  # one LM-head product per head and position: the CPU's budget
-    "hydra": {"epochs": 4},
-    "kangaroo": {"epochs": 5},
-    # PPD's N = 3 prompt tokens and learning rate; it trains N * D numbers, each step through the whole
-    # target: 600 samples suffice
-    "ppd": {"epochs": 1, "heads": 3, "vocab": 0, "lr": 1e-2, "max_samples": 600},
-}
+
+def trainable() -> tuple[str, ...]:
+    """The learned kinds ``train-draft`` can train (those with a trainer)."""
+    return tuple(k for k, spec in LEARNED.items() if spec.trainer is not None)
 
 
 @dataclass
@@ -57,9 +53,11 @@ class DraftTraining:
 
     @classmethod
     def for_kind(cls, kind: str, **options) -> DraftTraining:
-        """The settings for ``kind``: ``options`` given as None take the kind's defaults."""
+        """The settings for ``kind``: ``options`` given as None take the kind's defaults (where its
+        training departs from this class's: ``LearnedKind.train_defaults``)."""
         given = {k: v for k, v in options.items() if v is not None}
-        return cls(kind=kind, **{**KIND_DEFAULTS.get(kind, {}), **given})
+        spec = LEARNED.get(kind)
+        return cls(kind=kind, **{**(spec.train_defaults if spec else {}), **given})
 
 
 def _own_prompts(model, tok, n: int, seed: int, progress: bool) -> list[tuple[str, str]]:
@@ -103,15 +101,11 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
 
     from ..loading import load
     from .distill import load_samples, self_distill
-    from .eagle import EagleTrainer
-    from .kangaroo import KangarooTrainer
-    from .medusa import HydraTrainer, MedusaTrainer
-    from .ppd import PPDTrainer
     from .prompts import training_prompts
     from .trainer import TrainConfig, write_report
 
-    if job.kind not in TRAINABLE:
-        raise SpeculumError(f"train-draft --kind {job.kind}: only {', '.join(TRAINABLE)} can be trained so far")
+    if job.kind not in trainable():
+        raise SpeculumError(f"train-draft --kind {job.kind}: only {', '.join(trainable())} can be trained so far")
     if job.prompts < 8 or job.max_new_tokens < 8 or job.epochs < 1 or job.batch < 1 or not 1 <= job.heads <= 8 \
             or not 1 <= job.ensemble <= 8 or job.exit_layer < 1:
         raise SpeculumError("train-draft needs --prompts >= 8, --max-new-tokens >= 8, --epochs >= 1, --batch >= 1, "
@@ -151,9 +145,7 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
     if job.kind == "ppd":
         cfg.num_heads = cfg.eval_depths = job.heads
         cfg.ensemble, cfg.vocab, cfg.max_len = job.ensemble, 0, 512
-    trainer_cls = {"eagle": EagleTrainer, "medusa": MedusaTrainer, "hydra": HydraTrainer,
-                   "kangaroo": KangarooTrainer, "ppd": PPDTrainer}[job.kind]
-    trainer = trainer_cls(model, samples, run_dir, cfg, progress)
+    trainer = LEARNED[job.kind].trainer_class()(model, samples, run_dir, cfg, progress)
     trainer.run()
     t_all = time.time() - t0
     from ..heads import target_key
