@@ -20,6 +20,7 @@ the benchmark treat them alike.
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -303,7 +304,8 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
         draft_model / draft_tokenizer: for ``draft_model`` and ``hf_assisted``.
         runner: share one target runner between several engine methods (default: ``runner_for(model)``).
         cost_model: the forward-cost curve that sizes the trees of :data:`SIZED_METHODS`; by default
-            the runner's calibrated curve, measured now (saying so on stderr) if none is cached.
+            the runner's calibrated curve, measured when the first tree is sized (saying so on stderr)
+            if none is cached.
         options: drafter settings, e.g. ``max_draft=12`` for ``ngram``, ``num_draft=4`` for
             ``draft_model``, ``max_tree`` for the engine, ``kv_policy`` (a :class:`~speculum.kv.KVPolicy`),
             ``draft_head`` (a head file for the learned drafters, ``eagle``; default the shipped one).
@@ -358,7 +360,7 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
     if entry.remembers_arms:
         options.setdefault("memory_key", calibration_key(runner))
     drafter = entry.factory(**options)
-    sizer = TreeSizer(cost_model or _calibrated(runner)) if sized else None
+    sizer = TreeSizer(cost_model or functools.partial(_calibrated, runner)) if sized else None
     return EngineMethod(name, Engine(runner, drafter, tokenizer, max_tree=max_tree, sizer=sizer, kv_policy=kv_policy,
                                      chains_only=chains_only))
 

@@ -30,6 +30,7 @@ the rows buy more when spent on other users.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .tree import DraftTree
@@ -129,10 +130,19 @@ def best_size(scores_desc: list[float], cost: CostModel, context: int, overhead_
 
 
 class TreeSizer:
-    """Trims each drafted tree to the node count that maximises expected tokens per second."""
+    """Trims each drafted tree to the node count that maximises expected tokens per second.
 
-    def __init__(self, cost: CostModel, overhead_s: float = 0.0):
-        self.cost, self.overhead_s = cost, overhead_s
+    ``cost``: the hardware's cost curve, or a function that measures it, called when a tree is first
+    sized (a method is built without calibrating the machine; its first scored tree does)."""
+
+    def __init__(self, cost: CostModel | Callable[[], CostModel], overhead_s: float = 0.0):
+        self._cost, self.overhead_s = cost, overhead_s
+
+    @property
+    def cost(self) -> CostModel:
+        if not isinstance(self._cost, CostModel):
+            self._cost = self._cost()
+        return self._cost
 
     def select(self, tree: DraftTree, context: int) -> DraftTree:
         """The best-scoring nodes of ``tree`` worth verifying after ``context`` cached tokens (the

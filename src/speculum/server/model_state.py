@@ -72,7 +72,7 @@ class ModelState:
         self.eos_ids = default_eos_ids(model, tokenizer)
         self.tenants: OrderedDict[str, dict[str, object]] = OrderedDict()
         self._tenants_lock = threading.Lock()
-        self.get_method(method)  # build (and calibrate) the default method before serving
+        self.get_method(method)  # build the default method before serving
         if max_batch is None:
             max_batch = default_max_batch(load_or_measure(self.runner))
         if max_batch < 1:
