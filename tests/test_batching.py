@@ -25,7 +25,7 @@ from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.drafters.auto import AutoDrafter
 from speculum.drafters.ngram import NgramDrafter
 from speculum.engine import Engine
-from speculum.runners import NativeRunner
+from speculum.runners import NativeRunner, under_policy
 from speculum.tree import DraftTree
 from speculum.tree_sizing import CostModel, TreeSizer
 
@@ -163,8 +163,8 @@ def test_kv_policy_requests_share_a_batch_with_plain_ones(tiny_model, policy):
     runner = NativeRunner(tiny_model)
     ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
     ngram = Engine(runner, NgramDrafter(), eos_token_ids=[])
-    lossy = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[], kv_policy=make_policy(policy, "16"))
-    spec = Engine(runner, NgramDrafter(), eos_token_ids=[], kv_policy=make_policy(policy, "16"))
+    lossy = Engine(under_policy(runner, make_policy(policy, "16")), AutoregressiveDrafter(), eos_token_ids=[])
+    spec = Engine(under_policy(runner, make_policy(policy, "16")), NgramDrafter(), eos_token_ids=[])
     prompts = _prompts(10, 7)
     prompts = [p + p[:8] * 3 for p in prompts]  # past the policy's budget
     reqs, want = [], []

@@ -24,7 +24,7 @@ from speculum.engine import Engine
 from speculum.errors import SpeculumError
 from speculum.kv import POLICIES, Budget, make_policy
 from speculum.kv.tidal import default_selection_layers
-from speculum.runners import runner_for
+from speculum.runners import runner_for, under_policy
 from speculum.runners.layerwise import prefill_layerwise
 
 SPECS = ["streaming", "h2o", "snapkv", "tidal", "quest", "kv_quant"]
@@ -41,7 +41,7 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def _run(model, prompt, policy=None, drafter=None, new=40, **kw):
-    engine = Engine(runner_for(model, "native"), drafter or AutoregressiveDrafter(), kv_policy=policy)
+    engine = Engine(under_policy(runner_for(model, "native"), policy), drafter or AutoregressiveDrafter())
     return engine.generate(prompt, new, **kw)
 
 
@@ -98,7 +98,7 @@ def test_eviction_keeps_the_budget(spec):
     prompt = _prompt(80, seed=1)
     base = _run(model, prompt, new=60)
     policy = make_policy(spec, "20")
-    engine = Engine(runner_for(model, "native"), AutoregressiveDrafter(), kv_policy=policy)
+    engine = Engine(under_policy(runner_for(model, "native"), policy), AutoregressiveDrafter())
     cache = engine.runner.new_cache(200)
     engine.runner.prefill(cache, prompt[:-1])
     assert cache.length == 20 and cache.evicted == len(prompt) - 1 - 20

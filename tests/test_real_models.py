@@ -22,7 +22,7 @@ import torch
 from speculum.heads import find_head
 from speculum.methods import build_method
 from speculum.prompts import encode_prompt
-from speculum.runners import HFRunner, NativeRunner, runner_for
+from speculum.runners import HFRunner, NativeRunner, runner_for, under_policy
 from speculum.tree_sizing import CostModel
 
 pytestmark = pytest.mark.slow
@@ -205,7 +205,7 @@ def test_smollm2_streaming_runs_three_contexts(smollm2_f32, monkeypatch):
     cos_sin = Rotary.cos_sin
     monkeypatch.setattr(Rotary, "cos_sin", lambda self, pos, dtype: seen.append(int(pos.max())) or cos_sin(self, pos, dtype))
     policy = make_policy("streaming", "96")
-    engine = Engine(runner, AutoregressiveDrafter(), tok, eos_token_ids=[], kv_policy=policy)
+    engine = Engine(under_policy(runner, policy), AutoregressiveDrafter(), tok, eos_token_ids=[])
     ids = encode_prompt(tok, "Write a long story about travellers crossing a continent: the towns, the people, "
                         "the weather, the food. Keep going.", chat=True)
     out = engine.generate(ids, 3 * context, SamplingParams(0.8, 0, 0.95), seed=0)

@@ -42,7 +42,7 @@ from .drafters.base import Drafter
 from .errors import SpeculumError
 from .penalties import Penalties
 from .result import FinishReason, GenerationResult, StepStats
-from .runners import PolicyRunner, runner_for
+from .runners import runner_for
 from .sampling import SamplingParams
 from .stops import Stops, cut_at_stop
 from .tree import DraftTree
@@ -56,24 +56,22 @@ class Engine:
     """Speculative decoding with one target model and one drafter.
 
     Args:
-        runner: the target model's runner (or a transformers model: its :func:`runner_for` runner).
+        runner: the target model's runner, as it will run (under a KV policy: a
+            :class:`~speculum.runners.PolicyRunner`), or a transformers model (its :func:`runner_for` runner).
         drafter: proposes draft trees; ``AutoregressiveDrafter`` gives plain decoding.
         tokenizer: needed for stop strings, constraints and ``text`` in results.
         max_tree: upper bound on drafted nodes per step.
         verifier_cls: the acceptance rule (tests swap in deliberately broken ones).
         sizer: trims each scored tree to the size that pays on this hardware
             (:class:`~speculum.tree_sizing.TreeSizer`); ``None`` verifies trees as drafted.
-        kv_policy: a :class:`~speculum.kv.KVPolicy` (eviction, quantization or sparse reads), plugged
-            into the runner (:class:`~speculum.runners.PolicyRunner`). None keeps the whole cache (exact).
         chains_only: verify only each tree's best root path (:meth:`~speculum.tree.DraftTree.best_chain`):
             with a ``fixed_rows`` native runner, bfloat16 output then does not depend on what was drafted.
     """
 
     def __init__(self, runner, drafter: Drafter, tokenizer=None, eos_token_ids: Sequence[int] | None = None,
                  max_tree: int = 64, verifier_cls: type[Verifier] = Verifier, sizer: TreeSizer | None = None,
-                 kv_policy=None, chains_only: bool = False):
-        runner = runner_for(runner) if isinstance(runner, torch.nn.Module) else runner
-        self.runner = PolicyRunner(runner, kv_policy) if kv_policy is not None else runner
+                 chains_only: bool = False):
+        self.runner = runner_for(runner) if isinstance(runner, torch.nn.Module) else runner
         self.drafter, self.tokenizer = drafter, tokenizer
         self.max_tree, self.verifier_cls, self.sizer = max_tree, verifier_cls, sizer
         self.chains_only = chains_only

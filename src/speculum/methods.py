@@ -34,7 +34,7 @@ from .drafters.draft_model import check_same_tokenizer, same_tokenizer
 from .engine import Engine, GenerationResult, default_eos_ids
 from .errors import SpeculumError
 from .result import FinishReason
-from .runners import Runner, runner_for, weights_released
+from .runners import Runner, runner_for, under_policy, weights_released
 from .sampling import SamplingParams
 from .stops import Stops, cut_at_stop
 from .tree_sizing import CostModel, TreeSizer
@@ -361,7 +361,8 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
         options.setdefault("memory_key", calibration_key(runner))
     drafter = entry.factory(**options)
     sizer = TreeSizer(cost_model or functools.partial(_calibrated, runner)) if sized else None
-    return EngineMethod(name, Engine(runner, drafter, tokenizer, max_tree=max_tree, sizer=sizer, kv_policy=kv_policy,
+    runner = under_policy(runner, kv_policy)
+    return EngineMethod(name, Engine(runner, drafter, tokenizer, max_tree=max_tree, sizer=sizer,
                                      chains_only=chains_only))
 
 

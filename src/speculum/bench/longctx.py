@@ -32,7 +32,7 @@ from ..errors import SpeculumError
 from ..kv import Budget, make_policy
 from ..process_memory import return_freed_memory
 from ..prompts import has_chat_template
-from ..runners import runner_for
+from ..runners import runner_for, under_policy
 from .ruler import TASKS, LongTask, make_task, string_match_all
 
 PROTOCOLS = ("aware", "agnostic")
@@ -170,7 +170,7 @@ def run_longctx(model, tokenizer, lengths: list[int], tasks: list[str], policies
     for spec, budget in configs:
         policy = make_policy(spec, budget if budget != "-" else "1.0")
         engines[spec, budget] = (Engine(exact, AutoregressiveDrafter(), tokenizer, chains_only=reproducible)
-                                 if policy is None else Engine(runner, AutoregressiveDrafter(), tokenizer, kv_policy=policy))
+                                 if policy is None else Engine(under_policy(runner, policy), AutoregressiveDrafter(), tokenizer))
     for spec in kv_drafts:
         configs.append((f"kv_draft:{spec}", "-"))
         engines[configs[-1]] = Engine(exact, KVDraftDrafter(model, **kv_draft_options(spec)), tokenizer,

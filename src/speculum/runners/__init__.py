@@ -16,7 +16,7 @@ from .decoder import NativeDecoder, unsupported_reason
 from .hf import HFRunner
 from .native import NativeRunner
 from .packed import packed_linear
-from .policy import PolicyRunner
+from .policy import PolicyRunner, under_policy
 from .select import (
                      RUNNER_KINDS,
                      release_if_native,
@@ -27,5 +27,6 @@ from .select import (
 )
 
 __all__ = ["RUNNER_KINDS", "Forward", "HFRunner", "NativeDecoder", "NativeRunner", "PolicyRunner", "Runner",
-           "RunnerBase", "layer_types", "packed_linear", "release_if_native", "release_model_weights", "runner_for", "unsupported_reason",
+           "RunnerBase", "layer_types", "packed_linear", "release_if_native", "release_model_weights", "runner_for", "under_policy",
+           "unsupported_reason",
            "use_runner", "weights_released"]

@@ -101,6 +101,12 @@ class PolicyRunner(RunnerBase):
         self.policy.after_commit(cache)
 
 
+def under_policy(runner, policy):
+    """``runner`` under the KV policy ``policy`` (a :class:`PolicyRunner`), or itself where ``policy``
+    is None (the whole cache, exact)."""
+    return runner if policy is None else PolicyRunner(runner, policy)
+
+
 class PolicyStore:
     """A forward's :class:`~speculum.cache.store.KVStore` under a KV policy: the policy writes the
     new entries into ``cache`` (a :class:`~speculum.cache.PositionedKVCache` or
