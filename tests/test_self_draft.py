@@ -23,11 +23,11 @@ from speculum.drafting.quantized_copy import (
     linear_weight,
     quantized_head,
 )
-from speculum.drafting.self_forward import page_bounds
 from speculum.drafting.tree_growth import DynamicTree
 from speculum.engine import Engine
 from speculum.errors import SpeculumError
 from speculum.kv import make_policy
+from speculum.kv.scoring import page_bounds
 from speculum.methods import build_method
 from speculum.runners import NativeRunner
 from speculum.runners.decoder import Linear, RMSNorm
@@ -393,7 +393,7 @@ def test_quest_page_bounds_bound_every_score():
     kv_heads, rows, d, pages, page = 2, 5, 8, 6, 4
     qg, keys = torch.randn(kv_heads, rows, d), torch.randn(kv_heads, pages, page, d)
     kmin, kmax = keys.amin(2), keys.amax(2)  # [H_kv, P, d]
-    got = page_bounds(qg, kmin.transpose(1, 2), kmax.transpose(1, 2))  # [H_kv, R, P]
+    got = page_bounds(qg, kmin, kmax)  # [H_kv, R, P]
     want = torch.maximum(qg[:, :, None] * kmin[:, None], qg[:, :, None] * kmax[:, None]).sum(-1)
     torch.testing.assert_close(got, want)
     logits = torch.einsum("hrd,hpkd->hrpk", qg, keys)  # every key's logit
@@ -408,7 +408,7 @@ def test_quest_view_reads_pages_on_full_attention_layers(make):
     assert sorted(bounds) == full_layers
     s = drafter.decoder.shape
     count = (len(prompt) - 1 - 4 - 1) // 3  # whole pages between the sink and the window, after the prefill
-    assert all(lo.shape == hi.shape == (s.kv_heads, s.head_dim, count) for lo, hi in bounds.values())
+    assert all(lo.shape == hi.shape == (s.kv_heads, count, s.head_dim) for lo, hi in bounds.values())
     q = torch.randn(2, s.heads, s.head_dim)
     slots = drafter.model._pages(full_layers[0], q)
     assert slots.shape == (s.kv_heads, 2 * 3) and slots.min() >= 1 and slots.max() < 1 + 3 * count

@@ -21,45 +21,31 @@ from ..cache.store import BufferStore, DraftBuffer
 from ..runners.decoder import NativeDecoder
 
 
-class LayerSubset:
+class LayerSubset(DraftBuffer):
     """``layers`` (indices into ``decoder.layers``, in order) of ``decoder`` over a
-    :class:`~speculum.cache.store.DraftBuffer` of their own (``buffer``)."""
+    :class:`~speculum.cache.store.DraftBuffer` of their own (this object)."""
 
     def __init__(self, decoder: NativeDecoder, layers: Sequence[int], capacity: int = 1024):
         self.decoder, self.layers = decoder, list(layers)
         s = decoder.shape
-        self.buffer = DraftBuffer(len(self.layers), s.kv_heads, s.head_dim, capacity, decoder.dtype, decoder.device)
-
-    @property
-    def committed(self) -> int:
-        return self.buffer.committed
-
-    @property
-    def used(self) -> int:
-        return self.buffer.used
+        super().__init__(len(self.layers), s.kv_heads, s.head_dim, capacity, decoder.dtype, decoder.device)
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Rows ``ids [n]`` at ``positions [n]`` through the subset, written to slots ``used .. used + n - 1``;
         ``visible [n, used + n]`` bool. Returns the last layer's output ``[n, D]`` (no norm)."""
-        dec, s, buf = self.decoder, self.decoder.shape, self.buffer
-        n, at = ids.shape[0], buf.used
-        buf.reserve(at + n)
+        dec, s = self.decoder, self.decoder.shape
+        n, at = ids.shape[0], self.used
+        self.reserve(at + n)
         keys = at + n
-        buf.pos[at:keys] = positions
+        self.pos[at:keys] = positions
         masks = {False: grouped(visible, s.group, dec.dtype), True: None}
         if s.sliding_window is not None:
-            near = in_window(buf.pos[:keys], positions, s.sliding_window)
+            near = in_window(self.pos[:keys], positions, s.sliding_window)
             masks[True] = grouped(visible & near, s.group, dec.dtype)
-        store = BufferStore(buf.kv, at, keys, masks, dec.layout)
+        store = BufferStore(self.kv, at, keys, masks, dec.layout)
         h = dec.embed_ids(ids)
         rope = dec.rope(positions)
         for j, i in enumerate(self.layers):
             h = dec.layer_forward(j, dec.layers[i], h, rope, store)
-        buf.advance(n)
+        self.advance(n)
         return h
-
-    def commit(self) -> None:
-        self.buffer.commit()
-
-    def rollback(self) -> None:
-        self.buffer.rollback()

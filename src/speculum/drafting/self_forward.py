@@ -41,6 +41,7 @@ from ..cache.positioned import PositionedKVCache
 from ..cache.static import StaticKVCache
 from ..cache.store import put
 from ..errors import SpeculumError
+from ..kv.scoring import page_bounds, pool_scores, top_slots
 from ..runners.decoder import Layer, NativeDecoder
 
 
@@ -120,13 +121,6 @@ class ViewBuffer:
             self.synced = length
 
 
-def page_bounds(qg: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """Quest's upper bound of each page's attention logit: ``sum_c max(q_c * min_c, q_c * max_c)``,
-    computed as two products (``q_c >= 0`` takes the maximum, ``q_c < 0`` the minimum).
-    ``qg [H_kv, R, d]`` folded query rows, ``kmin``, ``kmax [H_kv, d, P]`` -> ``[H_kv, R, P]``."""
-    return torch.matmul(qg.clamp(min=0), kmax) + torch.matmul(qg.clamp(max=0), kmin)
-
-
 def check_plain_cache(cache: KVCache, decoder: NativeDecoder, who: str) -> None:
     """Raise :class:`SpeculumError` unless ``cache`` is a plain native KV cache of ``decoder``'s layout."""
     kv = getattr(cache, "kv", None)
@@ -163,7 +157,7 @@ class SelfDraft:
         """A new request: forget the last one's selection."""
         self.picked: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> k, v [H_kv, B, d]
         self.picked_slots: dict[int, torch.Tensor] = {}  # layer -> their slots [H_kv, B]
-        self.bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> key min, max [H_kv, d, P]
+        self.bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> key min, max [H_kv, P, d]
         self.recent = 0  # with a selection: committed slots from here on are all read
         self.buffer: ViewBuffer | None = None  # what full-attention layers read (a buffered view)
 
@@ -235,7 +229,7 @@ class SelfDraft:
         for i, layer in enumerate(self.decoder.layers):
             if not layer.sliding:
                 keys = kv[i, 0, :, lo:hi].unflatten(1, (count, v.page))  # [H_kv, P, page, d]
-                self.bounds[i] = (keys.amin(2).transpose(1, 2).contiguous(), keys.amax(2).transpose(1, 2).contiguous())
+                self.bounds[i] = (keys.amin(2), keys.amax(2))  # [H_kv, P, d] each
         self.recent = hi
 
     def _pages(self, i: int, q: torch.Tensor) -> torch.Tensor:
@@ -243,7 +237,7 @@ class SelfDraft:
         bound (their best over rows and a KV head's query heads), as ``[H_kv, pages * page]``."""
         v = self.view
         bound = page_bounds(fold_queries(q, self.decoder.shape.kv_heads), *self.bounds[i]).amax(1)  # [H_kv, P]
-        top = bound.topk(v.pages, dim=-1).indices.sort(-1).values  # [H_kv, pages]
+        top = top_slots(bound, v.pages)  # [H_kv, pages]
         first = v.sink + top * v.page  # the pages start after the sinks
         return (first[..., None] + torch.arange(v.page, device=q.device)).flatten(1)
 
@@ -279,8 +273,7 @@ class SelfDraft:
         kv = cache.kv
         self.picked, self.picked_slots = {}, {}
         for i, sc in scores.items():
-            pooled = torch.nn.functional.max_pool1d(sc[:, None, lo:hi], v.kernel, 1, v.kernel // 2)[:, 0]
-            top = pooled.topk(min(v.selected, hi - lo), dim=-1).indices.sort(-1).values + lo  # [H_kv, B]
+            top = top_slots(pool_scores(sc[:, lo:hi], v.kernel), min(v.selected, hi - lo)) + lo  # [H_kv, B]
             idx = top[..., None].expand(-1, -1, s.head_dim)
             self.picked[i] = (kv[i, 0].gather(1, idx), kv[i, 1].gather(1, idx))
             self.picked_slots[i] = top

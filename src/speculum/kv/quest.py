@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import fold_queries
-from .scoring import top_slots
+from .scoring import page_bounds, top_slots
 from .sparse import SparseReadPolicy, SparseState
 
 
@@ -68,9 +68,7 @@ class QuestPolicy(SparseReadPolicy):
         if self.dense(cache, layer, sliding) or want >= pages:
             return cache.attend_all(layer, sliding, q, k, v, step)
         s = cache.layout
-        qg = fold_queries(q, s.kv_heads)[:, :, None, :]  # [H_kv, g*n, 1, d]
-        kmin, kmax = st.kmin[layer, :, None, :pages], st.kmax[layer, :, None, :pages]  # [H_kv, 1, P, d]
-        bound = torch.maximum(qg * kmin, qg * kmax).sum(-1).amax(1)  # [H_kv, P]
+        bound = page_bounds(fold_queries(q, s.kv_heads), st.kmin[layer, :, :pages], st.kmax[layer, :, :pages]).amax(1)
         chosen = top_slots(bound.float(), want)  # [H_kv, want] page numbers
         block = torch.empty((2, s.kv_heads, want * p + tail + step.n, s.head_dim), dtype=cache.dtype,
                             device=cache.device)

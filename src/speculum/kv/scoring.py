@@ -1,4 +1,5 @@
-"""Selection helpers for the policies that score cached tokens (H2O, SnapKV, TidalDecode, Quest);
+"""Selection helpers for the policies that score cached tokens (H2O, SnapKV, TidalDecode, Quest) and
+the draft views that select as they do (:mod:`speculum.drafting.self_forward`);
 attention probabilities themselves come from :func:`speculum.attention.attention_probs`."""
 
 from __future__ import annotations
@@ -18,3 +19,11 @@ def pool_scores(scores: torch.Tensor, kernel: int) -> torch.Tensor:
 def top_slots(scores: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k`` best slots per row of ``scores [H, n]``, as increasing indices ``[H, k]``."""
     return scores.topk(k, dim=-1).indices.sort(dim=-1).values
+
+
+def page_bounds(qg: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound of each page's attention logit, ``sum_c max(q_c min_c, q_c max_c)``, as two
+    products (``q_c >= 0`` takes the maximum, ``q_c < 0`` the minimum): ``qg [H_kv, R, d]`` folded
+    query rows, ``kmin``, ``kmax [H_kv, P, d]`` each page's channel-wise key minimum and maximum ->
+    ``[H_kv, R, P]``."""
+    return torch.matmul(qg.clamp(min=0), kmax.transpose(-1, -2)) + torch.matmul(qg.clamp(max=0), kmin.transpose(-1, -2))
