@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from collections.abc import Sequence
@@ -52,6 +53,7 @@ class NativeRunner(RunnerBase):
     """
 
     batched_forward = True  # forward_batch stacks the sequences' rows into one forward (runners.batched)
+    _said_unpooled = False  # forward_batch has said once that caches outside a pool run one by one
 
     def __init__(self, model: torch.nn.Module, prefill_chunk: int = 256, cuda_graphs: bool | str | None = None,
                  graph_context: int | None = None, fixed_rows: int | None = None):
@@ -149,11 +151,16 @@ class NativeRunner(RunnerBase):
     def forward_batch(self, caches, roots, trees, prefills=(), hidden_layers=()) -> list[Forward]:
         """One forward for several sequences' trees and prompt chunks (:mod:`speculum.runners.batched`)
         when their caches share one :class:`~speculum.cache.SlotPool`: logits ``[n_j + 1, V]`` per
-        tree, its entries pending; each prompt chunk's entries committed."""
+        tree, its entries pending; each prompt chunk's entries committed. Caches of their own (not
+        slots of one pool) run one forward each, and say so once."""
         trees = [t if t.prompts is None else replace(t, prompts=None) for t in trees]  # (not batched yet)
         every = list(caches) + [c for c, _ in prefills]
         pools = {id(c.pool) for c in every if isinstance(c, SlotCache)}
         if len(every) < 2 or len(pools) != 1 or not all(isinstance(c, SlotCache) for c in every):
+            if len(every) > 1 and not NativeRunner._said_unpooled:
+                NativeRunner._said_unpooled = True
+                logging.getLogger("speculum").warning("sequences whose caches are not slots of one pool "
+                                                   "(new_pool) run one forward each")
             return super().forward_batch(caches, roots, trees, prefills, hidden_layers)
         if hidden_layers:
             self._check_layers(hidden_layers)
