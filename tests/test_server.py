@@ -18,6 +18,7 @@ from conftest import chat, openai_client, serving
 
 from speculum.methods import build_method
 from speculum.prompts import encode_prompt
+from speculum.sampling import SamplingParams
 from speculum.server import ServerState
 
 pytestmark = pytest.mark.slow
@@ -232,6 +233,32 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, clien
         client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "x"}], max_tokens=0)
     assert _chat(client, "Still there?", max_tokens=4).choices[0].message.content  # still serving
     assert "speculum:request_rejected_total" in httpx.get(server[1] + "/metrics").text
+
+
+def test_logprobs_chat_and_completions(server, client):
+    """``logprobs``: chat's per-token entries and completions' lists, equal to the engine's own run with
+    logprobs (the same verification forwards' numbers); with ``stream`` they are refused."""
+    state = server[0]
+    prompt = "Name two planets."
+    out = _chat(client, prompt, max_tokens=12, logprobs=True, top_logprobs=2)
+    ids = encode_prompt(state.tokenizer, prompt)
+    alone = build_method("ar", state.model, state.tokenizer, runner=state.runner).run(
+        ids, 12, SamplingParams(logprobs=2))
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens == alone.new_tokens
+    for entry, want in zip(content, alone.logprobs):
+        assert entry.token == state.tokenizer.decode([want.token])
+        assert abs(entry.logprob - want.logprob) < 1e-3 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
+    done = client.completions.create(model="smollm2", prompt="The sky is", max_tokens=6, temperature=0, logprobs=1)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == done.usage.completion_tokens
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(len(alts) == 1 and max(alts.values()) >= p - 1e-6 for alts, p in zip(lp.top_logprobs, lp.token_logprobs))
+    url = server[1] + "/v1"
+    streamed = httpx.post(url + "/chat/completions", json={"model": "smollm2", "stream": True, "logprobs": True,
+                                                            "messages": [{"role": "user", "content": "hi"}]}, timeout=60)
+    assert _error(streamed, 400)["param"] == "logprobs"
 
 
 @pytest.mark.parametrize("method", ["ar", "ngram"])

@@ -40,7 +40,8 @@ def generate(model, tokenizer, prompt: str, method: str = "auto", max_new_tokens
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
              stop=(), chat: bool | None = None, draft_model=None, draft_tokenizer=None,
              constraint: ConstraintSpec | None = None, close_reserve: int = 0, repetition_penalty: float = 1.0,
-             frequency_penalty: float = 0.0, presence_penalty: float = 0.0, **options) -> GenerationResult:
+             frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logprobs: int | None = None,
+             logprobs_mode: str = "raw", **options) -> GenerationResult:
     """Generate a completion of ``prompt`` with ``method`` (see :data:`METHODS`).
 
     ``chat=None`` applies the tokenizer's chat template when it has one. Each call builds a fresh
@@ -49,9 +50,11 @@ def generate(model, tokenizer, prompt: str, method: str = "auto", max_new_tokens
     ``auto``) keep what they learnt. ``constraint`` (e.g. ``ConstraintSpec.json_schema(schema)``)
     restricts the output to a JSON schema, a regex, fixed choices or a Lark grammar;
     ``close_reserve`` turns on its budget closer (:class:`~speculum.constrain.Grammar`). The
-    penalties are :class:`SamplingParams`' (off by default).
+    penalties are :class:`SamplingParams`' (off by default), and so are ``logprobs`` (each token's
+    log-probability and that many alternatives, in the result's ``logprobs``) and ``logprobs_mode``.
     """
-    params = SamplingParams(temperature, top_k, top_p, repetition_penalty, frequency_penalty, presence_penalty)
+    params = SamplingParams(temperature, top_k, top_p, repetition_penalty, frequency_penalty, presence_penalty,
+                            logprobs, logprobs_mode)
     runner = build_method(method, model, tokenizer, draft_model, draft_tokenizer, **options)
     ids = encode_prompt(tokenizer, prompt, chat)
     grammar = runner.compile(constraint, close_reserve) if constraint is not None else None

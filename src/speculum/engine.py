@@ -41,7 +41,7 @@ from .constrain.matcher import Grammar, compile_constraint
 from .drafters.base import Drafter
 from .errors import SpeculumError
 from .penalties import Penalties
-from .result import FinishReason, GenerationResult, StepStats
+from .result import FinishReason, GenerationResult, StepStats, TokenLogprob
 from .runners import runner_for
 from .sampling import SamplingParams
 from .stops import Stops, cut_at_stop
@@ -202,6 +202,7 @@ class Decoding:
         params = verifier.params
         self.penalties = Penalties(params, prompt, self.runner.vocab_size, self.runner.device) \
             if params.penalized else None
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
 
     @property
     def prefilled(self) -> bool:
@@ -280,6 +281,10 @@ class Decoding:
         self.runner.commit(self.cache, [0] + [i + 1 for i in acc.path])
         left = min(self.max_new_tokens - len(self.generated), self.runner.max_length - len(self.tokens))
         new, self.reason = stops.extend(self.generated, self.tokens, *guide.close(acc.tokens, left))
+        if self.logprobs is not None:
+            source = raw_logits if self.verifier.params.logprobs_mode == "raw" else logits
+            self.logprobs += emitted_logprobs(source, [0] + [i + 1 for i in acc.path], acc.tokens, new,
+                                              self.verifier.params)
         guide.commit(new)
         if self.penalties is not None:
             self.penalties.commit(new)
@@ -305,7 +310,29 @@ class Decoding:
         reason = self.reason or FinishReason.CANCELLED
         return GenerationResult(len(self.prompt), self.generated, self.stops.final_text(self.generated, reason),
                                 reason, time.perf_counter() - self.t0, self.prefill_s, len(self.steps),
-                                self.steps, self.cache.peak_bytes)
+                                self.steps, self.cache.peak_bytes, self.logprobs)
+
+
+def emitted_logprobs(logits: torch.Tensor, rows: list[int], verified: list[int], emitted: list[int],
+                     params: SamplingParams) -> list[TokenLogprob]:
+    """The log-probabilities of a step's ``emitted`` tokens: token ``j`` from row ``rows[j]`` of
+    ``logits [n + 1, V]`` (the root's row, then the accepted path's), which predicts the position
+    after ``verified[:j]``; that row holds its distribution only while ``emitted[:j]`` equals
+    ``verified[:j]`` (a grammar's closer may replace the tail), else the token gets None."""
+    same = 0
+    while same < min(len(emitted), len(verified)) and emitted[same] == verified[same]:
+        same += 1
+    scored = min(len(emitted), len(rows), same + 1)
+    out = [TokenLogprob(t, None) for t in emitted[scored:]]
+    if not scored:
+        return out
+    lp = params.log_probs(logits.index_select(0, torch.tensor(rows[:scored], device=logits.device)))  # [m, V]
+    own = lp.gather(1, torch.tensor(emitted[:scored], device=lp.device)[:, None])[:, 0].tolist()
+    top = lp.topk(params.logprobs, dim=-1) if params.logprobs else None
+    scored_part = [TokenLogprob(t, own[j], [] if top is None else
+                                list(zip(top.indices[j].tolist(), top.values[j].tolist())))
+                   for j, t in enumerate(emitted[:scored])]
+    return scored_part + out
 
 
 def step(decodings: Sequence[Decoding], sizer: TreeSizer | None = None,

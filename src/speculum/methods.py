@@ -99,9 +99,9 @@ class HFMethod:
         sampling = sampling or SamplingParams()
         if not prompt_ids:
             raise SpeculumError("the prompt is empty")
-        if sampling.frequency_penalty or sampling.presence_penalty:
-            raise SpeculumError("transformers' generate has no frequency or presence penalty: use a speculum "
-                                "method (ar, auto, ...) for them")
+        if sampling.frequency_penalty or sampling.presence_penalty or sampling.logprobs is not None:
+            raise SpeculumError("transformers' generate here has no frequency or presence penalty and returns no "
+                                "logprobs: use a speculum method (ar, auto, ...) for them")
         cfg = GenerationConfig(
             max_new_tokens=max_new_tokens,
             do_sample=not sampling.greedy,
@@ -237,9 +237,9 @@ class LlamaCppMethod:
 
         sampling = sampling or SamplingParams()
         if not sampling.greedy or sampling.repetition_penalty != 1.0 or sampling.frequency_penalty \
-                or sampling.presence_penalty:
-            raise SpeculumError(f"method {self.name!r} is greedy only: leave the temperature at 0 and the "
-                                "penalties off")
+                or sampling.presence_penalty or sampling.logprobs is not None:
+            raise SpeculumError(f"method {self.name!r} is greedy only and returns no logprobs: leave the "
+                                "temperature at 0, the penalties and logprobs off")
         if grammar is not None:
             self.compile(grammar)
         prompt = [int(t) for t in prompt_ids]

@@ -33,6 +33,18 @@ class StepStats:
 
 
 @dataclass
+class TokenLogprob:
+    """One emitted token's log-probability and the most likely alternatives at its position.
+
+    ``logprob`` is None for a token without a computed distribution: one a grammar's budget closer
+    appended after the verified ones (:class:`~speculum.constrain.Grammar`'s ``close_reserve``)."""
+
+    token: int
+    logprob: float | None
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token, logprob), most likely first
+
+
+@dataclass
 class GenerationResult:
     prompt_tokens: int
     tokens: list[int]  # generated token ids (an EOS that ended generation included)
@@ -43,6 +55,7 @@ class GenerationResult:
     forwards: int  # target forward passes that produced tokens (engine: one per step)
     steps: list[StepStats] = field(default_factory=list)  # per-step detail (engine methods only)
     kv_bytes: int = 0  # the most bytes the KV cache held (committed entries; 0 where not measured)
+    logprobs: list[TokenLogprob] | None = None  # one per token, where the sampling parameters asked
 
     @property
     def new_tokens(self) -> int:
@@ -75,4 +88,6 @@ class GenerationResult:
             "forced": sum(s.forced for s in self.steps),
             "time_mask_s": round(sum(s.mask_s for s in self.steps), 4),
             "kv_bytes": self.kv_bytes,
+            **({} if self.logprobs is None else {"logprobs": [
+                {"token": t.token, "logprob": t.logprob, "top": [list(x) for x in t.top]} for t in self.logprobs]}),
         }

@@ -13,6 +13,9 @@ import torch
 
 from .errors import SpeculumError
 
+MAX_LOGPROBS = 20  # alternatives per token at most (OpenAI's top_logprobs bound)
+LOGPROBS_MODES = ("raw", "processed")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -21,7 +24,14 @@ class SamplingParams:
     ``repetition_penalty`` (1: off; transformers' and vLLM's, over the prompt and the output),
     ``frequency_penalty`` and ``presence_penalty`` (0: off; OpenAI's, over the output, each in
     [-2, 2]) change the logits before all of that, position by position
-    (:mod:`speculum.penalties`)."""
+    (:mod:`speculum.penalties`).
+
+    ``logprobs``: also return each emitted token's log-probability and the ``logprobs`` most likely
+    alternatives at its position (None: off; at most :data:`MAX_LOGPROBS`), from the distribution
+    ``logprobs_mode`` names: ``"raw"``, the model's own (log-softmax of its logits), or
+    ``"processed"``, the one the token was chosen from (after penalties and grammar masking, and
+    when sampling after temperature, top-k and top-p). They come from the verification forward that
+    accepted the token, so they cost no forward of their own."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -29,6 +39,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logprobs: int | None = None
+    logprobs_mode: str = "raw"
 
     def __post_init__(self):
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) \
@@ -45,6 +57,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and -2.0 <= value <= 2.0):
                 raise SpeculumError(f"{name} must be a number in [-2, 2], got {value}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise SpeculumError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise SpeculumError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
 
     @property
     def penalized(self) -> bool:
@@ -54,6 +70,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[..., V]`` logits -> ``[..., V]`` float32 log-probabilities of ``logprobs_mode``'s
+        distribution (``logits`` already penalized and masked for ``"processed"``)."""
+        if self.logprobs_mode == "processed" and not self.greedy:
+            return self.probs(logits).log()
+        return torch.log_softmax(logits.float(), dim=-1)
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """``[..., V]`` logits -> ``[..., V]`` float32 probabilities after temperature, top-k and top-p.

@@ -72,7 +72,8 @@ def sampling_params(args):
     from ..sampling import SamplingParams
 
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.repetition_penalty,
-                          args.frequency_penalty, args.presence_penalty)
+                          args.frequency_penalty, args.presence_penalty, getattr(args, "logprobs", None),
+                          getattr(args, "logprobs_mode", "raw"))
 
 
 def load_for(args, methods: list[str], prompt: str | None = None):

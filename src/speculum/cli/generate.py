@@ -18,6 +18,14 @@ def add_parser(sub) -> None:
                    help=f"decoding method: {', '.join(METHODS)} (default: %(default)s)")
     g.add_argument("--max-new-tokens", type=int, default=256, help="(default: %(default)s)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); not included in the output")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="also report each token's log-probability and its K most likely alternatives (0-20), "
+                        "from the verification forward that accepted it (in --json's output, else one line per "
+                        "token on stderr)")
+    g.add_argument("--logprobs-mode", default="raw", choices=["raw", "processed"],
+                   help="raw: the model's distribution; processed: the one the token was chosen from (after "
+                        "penalties, the grammar's mask, and when sampling temperature, top-k and top-p); "
+                        "default: %(default)s")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object (text, new_tokens, time_s, tok_s, mean_accepted, steps) instead")
     con = g.add_argument_group("structured output (at most one)")
@@ -119,6 +127,10 @@ def run(args) -> int:
         print(json.dumps(result.to_dict(), ensure_ascii=False))
     else:
         sys.stdout.write(text.finish(result.text) + "\n")
+        for t in result.logprobs or []:
+            alts = "  ".join(f"{tok.decode([i])!r} {lp:.3f}" for i, lp in t.top)
+            lp = "-" if t.logprob is None else f"{t.logprob:.3f}"
+            print(f"{tok.decode([t.token])!r}\t{lp}" + (f"\t{alts}" if alts else ""), file=sys.stderr)
         print(f"[{result.new_tokens} tokens, {result.tok_s:.1f} tok/s, {result.mean_accepted:.2f} tokens/step, "
               f"{result.finish_reason}]", file=sys.stderr)
     return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import time
 import uuid
@@ -239,7 +240,7 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
             if result is None:
                 state.worker.cancel(job)
         request.scope["state"]["completion_tokens"] = result.new_tokens
-        body = _response(rid, chat, state.model_name, result, job.method)
+        body = _response(rid, chat, state.model_name, result, job.method, state.tokenizer)
         return JSONResponse(body)
 
     async def _make_job(req: CommonParams, ids: list[int], tenant: str) -> Job:
@@ -274,10 +275,12 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
                 raise APIError(str(e), param="speculum.kv_policy") from None
         elif opts is not None and opts.kv_budget is not None:
             raise APIError("speculum.kv_budget needs speculum.kv_policy", param="speculum.kv_budget")
+        logprobs = req.logprob_count()
         try:
             sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                                       repetition_penalty=req.repetition_penalty,
-                                      frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty)
+                                      frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+                                      logprobs=logprobs, logprobs_mode=opts.logprobs_mode if opts else "raw")
             grammar = await state.off_loop(_grammar, req, timeout=state.limits.compile_timeout_s,
                                            pool=state.compile_pool)
         except SpeculumError as e:
@@ -387,13 +390,14 @@ def _usage(result) -> dict:
             "total_tokens": result.prompt_tokens + result.new_tokens}
 
 
-def _response(rid: str, chat: bool, model_name: str, result, method: str) -> dict:
+def _response(rid: str, chat: bool, model_name: str, result, method: str, tokenizer) -> dict:
     text, finish = result.text, FINISH[result.finish_reason]
+    logprobs = None if result.logprobs is None else _logprobs(result.logprobs, chat, tokenizer)
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": None}
+                  "logprobs": logprobs}
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
     stats = result.to_dict()
     return {
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -403,6 +407,25 @@ def _response(rid: str, chat: bool, model_name: str, result, method: str) -> dic
                      "drafted": stats["drafted"], "accepted": stats["accepted"], "forced": stats["forced"],
                      "time_mask_s": stats["time_mask_s"]},
     }
+
+
+NO_LOGPROB = -9999.0  # a log-probability JSON cannot hold (-inf) or that was not computed, as vLLM writes it
+
+
+def _logprobs(items, chat: bool, tokenizer) -> dict:
+    """OpenAI's ``logprobs`` of a choice from :class:`~speculum.result.TokenLogprob` items: chat's
+    ``{"content": [{token, logprob, bytes, top_logprobs}]}`` or completions' ``{tokens,
+    token_logprobs, top_logprobs, text_offset}``."""
+    text = lambda i: tokenizer.decode([i])
+    value = lambda lp: NO_LOGPROB if lp is None or lp == float("-inf") else lp
+    if chat:
+        entry = lambda i, lp: {"token": text(i), "logprob": value(lp), "bytes": list(text(i).encode())}
+        return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                            for t in items]}
+    tokens = [text(t.token) for t in items]
+    offsets = list(itertools.accumulate((len(x) for x in tokens[:-1]), initial=0)) if tokens else []
+    return {"tokens": tokens, "token_logprobs": [value(t.logprob) for t in items],
+            "top_logprobs": [{text(i): value(lp) for i, lp in t.top} for t in items], "text_offset": offsets}
 
 
 def _worker_error(exc: BaseException) -> APIError:

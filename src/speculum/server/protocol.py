@@ -2,9 +2,12 @@
 
 Unknown fields are ignored, as OpenAI does (``user``, ``metadata``, ``store``, ``service_tier``
 and the like change nothing here); known fields of the wrong type or out of range are 400 errors
-naming the field. Features the server does not implement (``n > 1``, ``best_of > 1``, logprobs,
-``logit_bias``, ``suffix``, ``echo``, tools) are refused with a clear 400 rather than silently
-ignored; so is an unknown key inside ``speculum``. ``presence_penalty`` and ``frequency_penalty``
+naming the field. Features the server does not implement (``n > 1``, ``best_of > 1``, logprobs
+while streaming, ``logit_bias``, ``suffix``, ``echo``, tools) are refused with a clear 400 rather
+than silently ignored; so is an unknown key inside ``speculum``. ``logprobs`` (chat: a bool with
+``top_logprobs`` 0-20; completions: 0-5 alternatives) come from the verification forward that
+accepted each token, from the model's own distribution unless ``speculum.logprobs_mode`` is
+``"processed"``. ``presence_penalty`` and ``frequency_penalty``
 (OpenAI's, in [-2, 2]) and ``repetition_penalty`` (vLLM's extra field) are applied
 (:mod:`speculum.penalties`).
 """
@@ -74,6 +77,8 @@ class SpeculumOptions(BaseModel):
     # its budget (tokens, or a ratio of the prompt)
     kv_policy: str | None = Field(default=None, max_length=200)
     kv_budget: int | float | str | None = Field(default=None)
+    # logprobs from the model's own distribution ("raw") or the one each token was chosen from
+    logprobs_mode: Literal["raw", "processed"] = "raw"
 
 
 class CommonParams(BaseModel):
@@ -99,7 +104,7 @@ class CommonParams(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)  # not OpenAI's: vLLM's and transformers'
     logit_bias: dict[str, float] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     best_of: int | None = None
 
     @field_validator("max_tokens")
@@ -132,9 +137,23 @@ class CommonParams(BaseModel):
             raise ValueError("only n=1 is supported")
         return v
 
-    _no_logprobs = refuse_set("logprobs", "logprobs are not supported")
-    _no_top_logprobs = refuse_set("top_logprobs", "logprobs are not supported")
     _no_bias = refuse_set("logit_bias", "logit_bias is not supported")
+
+    def logprob_count(self) -> int | None:
+        """How many alternatives per token the request asks for (0: the token's own only), or None."""
+        if self.logprobs is None or self.logprobs is False:
+            if self.top_logprobs:
+                raise APIError("top_logprobs needs logprobs", param="top_logprobs")
+            return None
+        if self.stream:
+            raise APIError("logprobs are not supported with stream yet", param="logprobs")
+        try:
+            return self._logprob_count()
+        except ValueError as e:
+            raise APIError(str(e), param="logprobs") from None
+
+    def _logprob_count(self) -> int:
+        raise NotImplementedError
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -150,6 +169,11 @@ class CompletionRequest(CommonParams):
 
     _no_echo = refuse_set("echo", "echo is not supported")
     _no_suffix = refuse_set("suffix", "suffix (insertion) is not supported")
+
+    def _logprob_count(self) -> int:  # completions: logprobs is the count, 0-5
+        if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 5:
+            raise ValueError("logprobs must be an integer in [0, 5]")
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -176,6 +200,11 @@ class ChatCompletionRequest(CommonParams):
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
+
+    def _logprob_count(self) -> int:  # chat: logprobs is a bool, top_logprobs the count
+        if self.logprobs is not True:
+            raise ValueError("logprobs must be true or false")
+        return self.top_logprobs or 0
 
     _no_tools = refuse_set("tools", "tools are not supported")
     _no_tool_choice = refuse_set("tool_choice", "tools are not supported")
