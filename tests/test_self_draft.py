@@ -12,6 +12,7 @@ from conftest import TINY_VOCAB, batched_join_midway, tiny_gemma3, tiny_llama
 from test_sampling import PARAMS, VOCAB, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.attention import grouped
+from speculum.cache.store import FunctionStore
 from speculum.drafters import DRAFTERS
 from speculum.drafters.kv_draft import kv_draft_options
 from speculum.drafters.ngram import NgramDrafter
@@ -335,13 +336,7 @@ def _view_reference(draft, ids: list[int]) -> torch.Tensor:
     kv, length, n = cache.kv, cache.length, len(ids)
     d = dec.shape.head_dim
 
-    class Gathered:  # a KVStore reading the view's slots from the target's cache
-        compiled = None
-
-        def attend(self, i, sliding, q, k, val):
-            return gathered(i, q, k, val)
-
-    def gathered(i, q, k, val):
+    def gathered(i, sliding, q, k, val):  # a KVStore's attend reading the view's slots from the target's cache
         slots = [torch.arange(v.sink).expand(dec.shape.kv_heads, -1)]
         if draft.picked_slots:
             slots.append(draft.picked_slots[i])
@@ -353,7 +348,7 @@ def _view_reference(draft, ids: list[int]) -> torch.Tensor:
         return dec.attend(q, keys, values, grouped(mask, dec.shape.group, dec.dtype))
 
     with torch.inference_mode():
-        return dec.forward_with(torch.tensor(ids), torch.arange(length, length + n), Gathered()).logits
+        return dec.forward_with(torch.tensor(ids), torch.arange(length, length + n), FunctionStore(gathered)).logits
 
 
 @pytest.mark.parametrize("slack", [None, 0], ids=["spare", "growing"])

@@ -59,6 +59,12 @@ class BatchRequest:
     reused: int = 0  # prompt tokens whose KV entries came from the prefix cache
     cancelled: bool = False
 
+    def chunk_logprobs(self, n: int) -> list | None:
+        """The :class:`~speculum.result.TokenLogprob` s of the last ``n`` committed tokens (inside
+        ``on_tokens``: its chunk's), or None where the request's sampling asks for none."""
+        lps = self.decoding.logprobs if self.decoding is not None else None
+        return None if lps is None else lps[len(lps) - n:]
+
 
 class Batcher:
     """Runs :class:`BatchRequest` s together on one runner.

@@ -11,8 +11,8 @@ decides where its cache lives:
   :func:`put_rows`);
 - a KV policy's cache (:class:`~speculum.runners.policy.PolicyStore`: the policy writes through
   :meth:`~speculum.cache.static.StaticKVCache.write` and reads what it selects);
-- the draft views of self-speculation (:mod:`speculum.drafting.self_forward`), layer subsets and
-  learned heads' caches (:class:`DraftBuffer`).
+- the draft views of self-speculation (:mod:`speculum.drafting.self_forward`, through
+  :class:`FunctionStore`), layer subsets and learned heads' caches (:class:`DraftBuffer`).
 
 Every one of them writes through :func:`put` or :func:`put_rows` (or the compiled layer's kernel,
 which writes the same layout): the cache layout is known here. Stores are made per forward: they
@@ -82,6 +82,16 @@ def put_rows(kv: torch.Tensor, slots: torch.Tensor, at: torch.Tensor, k: torch.T
     of ``k, v [N, H_kv, d]`` to slot ``slots[r]``, index ``at[r]``."""
     kv[0][slots, :, at] = k
     kv[1][slots, :, at] = v
+
+
+class FunctionStore:
+    """A store whose ``attend`` is a function of the same call, for a forward whose reads are
+    assembled per call (the draft views of :mod:`speculum.drafting.self_forward`)."""
+
+    compiled = None
+
+    def __init__(self, attend):
+        self.attend = attend
 
 
 class BufferStore(StoreBase):

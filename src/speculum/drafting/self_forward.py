@@ -39,7 +39,7 @@ from ..attention import attention_probs, fold_queries, grouped, in_window, unfol
 from ..cache import KVCache
 from ..cache.positioned import PositionedKVCache
 from ..cache.static import StaticKVCache
-from ..cache.store import put
+from ..cache.store import FunctionStore, put
 from ..errors import SpeculumError
 from ..kv.scoring import page_bounds, pool_scores, top_slots
 from ..runners.decoder import Layer, NativeDecoder
@@ -323,30 +323,25 @@ class SelfDraft:
         def paged_keys(t: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:  # + the pages' entries [H_kv, B, d]
             return torch.cat([t[:, :self.view.sink], chosen, t[:, self.recent:at + n]], dim=1)
 
-        this = self
-
-        class ViewStore:  # this forward's KVStore: the target's free slots, or the view's own buffer
-            compiled = None
-
-            def attend(self, i: int, sliding: bool, q, k, v):
-                if buffer is not None and not sliding:
-                    own = buffer.cache.kv[this.buffer_slot[i]]  # [2, H_kv, C', d]
-                    put(own, at_buffer, k, v)
-                    return dec.attend(q, own[0, :, :at_buffer + n], own[1, :, :at_buffer + n], masks[False])
-                put(kv[i], at, k, v)
-                if this._on_attend is not None:  # the selection's observation rows: attention and scores at once
-                    out = this._on_attend(i, sliding, q, keys(kv[i, 0]), keys(kv[i, 1]), masks[sliding])
-                    if out is not None:
-                        return out
-                if paged and not sliding:
-                    idx = this._pages(i, q)[..., None].expand(-1, -1, s.head_dim)  # [H_kv, B, d]
-                    return dec.attend(q, paged_keys(kv[i, 0], kv[i, 0].gather(1, idx)),
-                                      paged_keys(kv[i, 1], kv[i, 1].gather(1, idx)), masks[False])
-                return dec.attend(q, keys(kv[i, 0]), keys(kv[i, 1]), masks[sliding])
+        def attend(i: int, sliding: bool, q, k, v):  # the target's free slots, or the view's own buffer
+            if buffer is not None and not sliding:
+                own = buffer.cache.kv[self.buffer_slot[i]]  # [2, H_kv, C', d]
+                put(own, at_buffer, k, v)
+                return dec.attend(q, own[0, :, :at_buffer + n], own[1, :, :at_buffer + n], masks[False])
+            put(kv[i], at, k, v)
+            if self._on_attend is not None:  # the selection's observation rows: attention and scores at once
+                out = self._on_attend(i, sliding, q, keys(kv[i, 0]), keys(kv[i, 1]), masks[sliding])
+                if out is not None:
+                    return out
+            if paged and not sliding:
+                idx = self._pages(i, q)[..., None].expand(-1, -1, s.head_dim)  # [H_kv, B, d]
+                return dec.attend(q, paged_keys(kv[i, 0], kv[i, 0].gather(1, idx)),
+                                  paged_keys(kv[i, 1], kv[i, 1].gather(1, idx)), masks[False])
+            return dec.attend(q, keys(kv[i, 0]), keys(kv[i, 1]), masks[sliding])
 
         h = dec.embed_ids(ids)
         rope = dec.rope(positions)
-        store = ViewStore()
+        store = FunctionStore(attend)
         for i in self.layers:
             h = dec.layer_forward(i, self.weights[i], h, rope, store)
         self.used += n

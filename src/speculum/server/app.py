@@ -314,13 +314,14 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
         text = StreamingText(state.tokenizer, job.stop)
         created = int(time.time())
 
-        def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(delta: str | None, finish: str | None, first: bool = False, logprobs=None) -> str:
+            lp = None if not logprobs else _logprobs(logprobs, chat, state.tokenizer)
             if chat:
                 d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
-                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": lp}
                 obj = "chat.completion.chunk"
             else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": lp}
                 obj = "text_completion"
             return _sse({"id": rid, "object": obj, "created": created, "model": state.model_name,
                          "choices": [choice]})
@@ -331,9 +332,10 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
                 yield chunk(None, None, first=True)
             async for kind, value in _events(request, job):
                 if kind == "tokens":
-                    delta = text.add(value)
-                    if delta:
-                        yield chunk(delta, None)
+                    ids, logprobs = value
+                    delta = text.add(ids)
+                    if delta or logprobs:  # (a chunk's logprobs go out with it, its text held back or not)
+                        yield chunk(delta, None, logprobs=logprobs)
                 elif kind == "done":
                     request.scope["state"]["completion_tokens"] = value.new_tokens
                     rest = text.finish(value.text)

@@ -14,7 +14,7 @@ it); the others wait here, in one bounded queue. Drafter state and the prefix ca
 Messages over each engine's pipe (pickled):
 
 - to the engine: ``("submit", jid, EngineJob)``, ``("cancel", jid)``, ``("close",)``;
-- from it: ``("ready", info)`` or ``("fatal", text)`` once, then ``(jid, "tokens", [ids])``,
+- from it: ``("ready", info)`` or ``("fatal", text)`` once, then ``(jid, "tokens", (ids, logprobs))``,
   ``(jid, "done", (result, reused_prompt_tokens))``, ``(jid, "error", exception)``.
 """
 
@@ -123,7 +123,9 @@ def _engine_main(conn, config: EngineConfig) -> None:  # pragma: no cover - runs
             conn.send((jid, "error", _picklable(e)))
 
         live[jid] = BatchRequest(method.engine, job.prompt_ids, job.max_tokens, job.sampling, job.stop, job.seed,
-                                 grammar, job.tenant, lambda ids: conn.send((jid, "tokens", ids)), done, failed)
+                                 grammar, job.tenant,
+                                 lambda ids: conn.send((jid, "tokens", (ids, live[jid].chunk_logprobs(len(ids))))),
+                                 done, failed)
         batcher.submit(live[jid])
 
     try:

@@ -2,12 +2,12 @@
 
 Unknown fields are ignored, as OpenAI does (``user``, ``metadata``, ``store``, ``service_tier``
 and the like change nothing here); known fields of the wrong type or out of range are 400 errors
-naming the field. Features the server does not implement (``n > 1``, ``best_of > 1``, logprobs
-while streaming, ``logit_bias``, ``suffix``, ``echo``, tools) are refused with a clear 400 rather
-than silently ignored; so is an unknown key inside ``speculum``. ``logprobs`` (chat: a bool with
+naming the field. Features the server does not implement (``n > 1``, ``best_of > 1``,
+``logit_bias``, ``suffix``, ``echo``, tools) are refused with a clear 400 rather than silently
+ignored; so is an unknown key inside ``speculum``. ``logprobs`` (chat: a bool with
 ``top_logprobs`` 0-20; completions: 0-5 alternatives) come from the verification forward that
 accepted each token, from the model's own distribution unless ``speculum.logprobs_mode`` is
-``"processed"``. ``presence_penalty`` and ``frequency_penalty``
+``"processed"``; streamed, each chunk carries its tokens'. ``presence_penalty`` and ``frequency_penalty``
 (OpenAI's, in [-2, 2]) and ``repetition_penalty`` (vLLM's extra field) are applied
 (:mod:`speculum.penalties`).
 """
@@ -145,8 +145,6 @@ class CommonParams(BaseModel):
             if self.top_logprobs:
                 raise APIError("top_logprobs needs logprobs", param="top_logprobs")
             return None
-        if self.stream:
-            raise APIError("logprobs are not supported with stream yet", param="logprobs")
         try:
             return self._logprob_count()
         except ValueError as e:

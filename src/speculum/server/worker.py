@@ -43,8 +43,8 @@ class Generation:
 
 @dataclass
 class Job(Generation):
-    """A request for the worker. ``events`` receives ``("tokens", [ids])``, then ``("done", result)``
-    or ``("error", exception)`` or ``("cancelled", None)``."""
+    """A request for the worker. ``events`` receives ``("tokens", ([ids], [TokenLogprob] or None))``,
+    then ``("done", result)`` or ``("error", exception)`` or ``("cancelled", None)``."""
 
     grammar: Grammar | None
     loop: asyncio.AbstractEventLoop
@@ -84,10 +84,11 @@ class JobAccounting:
                          "retry later", max(1, round(waiting * self._mean_request_s / slots)))
 
     @staticmethod
-    def _tokens(job: Job, ids: list[int]) -> None:
+    def _tokens(job: Job, chunk: tuple) -> None:
+        """``chunk``: a committed chunk's ``(ids, their logprobs or None)``."""
         if job.first_token is None:
             job.first_token = time.perf_counter()
-        job.emit("tokens", ids)
+        job.emit("tokens", chunk)
 
     def _finished(self, job: Job, result: GenerationResult, reused: int) -> None:
         """``job`` is done (``reused`` prompt tokens came from the prefix cache): record, deliver."""
@@ -198,5 +199,6 @@ class Worker(JobAccounting):
             job.emit("error", e)
 
         request = BatchRequest(method.engine, job.prompt_ids, job.max_tokens, job.sampling, job.stop, job.seed,
-                               job.grammar, job.tenant, lambda ids: self._tokens(job, ids), on_done, on_error)
+                               job.grammar, job.tenant,
+                               lambda ids: self._tokens(job, (ids, request.chunk_logprobs(len(ids)))), on_done, on_error)
         return request
