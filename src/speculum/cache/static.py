@@ -59,6 +59,13 @@ class StaticKVCache(KVCache):
         """One gather for every layer, keys and values: slots ``src [m]`` -> ``dst .. dst+m-1``."""
         self.kv[:, :, :, dst:dst + src.shape[0]] = self.kv.index_select(3, src)
 
+    def append(self, entries: torch.Tensor) -> None:
+        """Commit ``entries [layers, 2, H_kv, m, d]`` (copied from another cache) after the committed
+        ones (room reserved)."""
+        m = entries.shape[3]
+        self.kv[:, :, :, self.length:self.length + m] = entries
+        self.length += m
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """New entries ``k, v [n, H_kv, d]`` into the pending slots ``length ..`` of ``layer``."""
         put(self.kv[layer], self.length, k, v)

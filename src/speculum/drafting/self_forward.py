@@ -101,13 +101,9 @@ class ViewBuffer:
         shape = target_kv.shape
         self.index = torch.tensor(layers, device=target_kv.device)
         self.cache = StaticKVCache(len(layers), shape[2], shape[4], target_kv.dtype, target_kv.device, capacity)
-        kv = self.cache.kv
-        kv[:, :, :, :sink] = target_kv[self.index, :, :, :sink]
-        length = sink
+        self.cache.append(target_kv[self.index, :, :, :sink])
         if middle is not None:
-            kv[:, :, :, sink:sink + middle.shape[3]] = middle
-            length += middle.shape[3]
-        self.cache.length = length
+            self.cache.append(middle)
         self.synced = recent  # target slots before this one are in the buffer (from ``recent`` on)
 
     def sync(self, target_kv: torch.Tensor, length: int, rows: int) -> None:
@@ -116,8 +112,7 @@ class ViewBuffer:
         c, new = self.cache, length - self.synced
         c.reserve(c.length + max(new, 0) + rows)
         if new > 0:
-            c.kv[:, :, :, c.length:c.length + new] = target_kv[self.index, :, :, self.synced:length]
-            c.length += new
+            c.append(target_kv[self.index, :, :, self.synced:length])
             self.synced = length
 
 
