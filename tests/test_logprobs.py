@@ -63,6 +63,6 @@ def test_processed_logprobs_are_the_sampled_distribution():
 
 
 def test_logprobs_settings_are_checked():
-    for bad in [{"logprobs": 21}, {"logprobs": -1}, {"logprobs_mode": "logits"}]:
+    for bad in [{"logprobs": 21}, {"logprobs": -1}, {"logprobs": True}, {"logprobs_mode": "logits"}]:
         with pytest.raises(SpeculumError):
             SamplingParams(**bad)

@@ -278,19 +278,19 @@ class Decoding:
         acc = self.verifier.accept(tree, logits, position=len(self.tokens))
         verify_s += time.perf_counter() - t
         t_c = time.perf_counter()
-        self.runner.commit(self.cache, [0] + [i + 1 for i in acc.path])
+        kept = [0] + [i + 1 for i in acc.path]  # the rows of the root and the accepted path
+        self.runner.commit(self.cache, kept)
         left = min(self.max_new_tokens - len(self.generated), self.runner.max_length - len(self.tokens))
         new, self.reason = stops.extend(self.generated, self.tokens, *guide.close(acc.tokens, left))
         if self.logprobs is not None:
             source = raw_logits if self.verifier.params.logprobs_mode == "raw" else logits
-            self.logprobs += emitted_logprobs(source, [0] + [i + 1 for i in acc.path], acc.tokens, new,
-                                              self.verifier.params)
+            self.logprobs += emitted_logprobs(source, kept, acc.tokens, new, self.verifier.params)
         guide.commit(new)
         if self.penalties is not None:
             self.penalties.commit(new)
         if self.reason is None:
             if self.drafter.hidden_layers:
-                rows = torch.tensor([0] + [i + 1 for i in acc.path], device=raw_logits.device)
+                rows = torch.tensor(kept, device=raw_logits.device)
                 self.drafter.see_hidden({i: h.index_select(0, rows) for i, h in hidden.items()})
             if tree.prompts is not None:
                 self.drafter.see_prompt_logits(tree, acc, prompt_logits)

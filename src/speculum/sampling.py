@@ -57,7 +57,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and -2.0 <= value <= 2.0):
                 raise SpeculumError(f"{name} must be a number in [-2, 2], got {value}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise SpeculumError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise SpeculumError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")

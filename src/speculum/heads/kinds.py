@@ -71,4 +71,3 @@ LEARNED: dict[str, LearnedKind] = {
                        "speculum.train.ppd:PPDTrainer",
                        {"epochs": 1, "heads": 3, "vocab": 0, "lr": 1e-2, "max_samples": 600}),
 }
-

@@ -421,7 +421,10 @@ def _logprobs(items, chat: bool, tokenizer) -> dict:
     text = lambda i: tokenizer.decode([i])
     value = lambda lp: NO_LOGPROB if lp is None or lp == float("-inf") else lp
     if chat:
-        entry = lambda i, lp: {"token": text(i), "logprob": value(lp), "bytes": list(text(i).encode())}
+        def entry(i: int, lp: float | None) -> dict:
+            s = text(i)
+            return {"token": s, "logprob": value(lp), "bytes": list(s.encode())}
+
         return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
                             for t in items]}
     tokens = [text(t.token) for t in items]

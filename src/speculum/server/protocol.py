@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..sampling import MAX_LOGPROBS
+
 
 class APIError(Exception):
     """An error the client caused or should see: rendered as ``{"error": {...}}`` with ``status``."""
@@ -104,7 +106,7 @@ class CommonParams(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)  # not OpenAI's: vLLM's and transformers'
     logit_bias: dict[str, float] | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
 
     @field_validator("max_tokens")
