@@ -208,7 +208,12 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, clien
     assert _error(post("/chat/completions", {**chat, "max_tokens": 0}), 400)["param"] == "max_tokens"
     assert _error(post("/chat/completions", {**chat, "max_tokens": -5}), 400)["param"] == "max_tokens"
     assert _error(post("/chat/completions", {**chat, "temperature": -1}), 400)["param"] == "temperature"
-    assert _error(post("/chat/completions", {**chat, "n": 3}), 400)["param"] == "n"
+    assert _error(post("/chat/completions", {**chat, "n": 17}), 400)["param"] == "n"  # over --max-n
+    assert _error(post("/chat/completions", {**chat, "n": 0}), 400)["param"] == "n"
+    assert _error(post("/completions", {"model": "smollm2", "prompt": "a", "n": 3, "best_of": 2}),
+                  400)["param"] == "best_of"
+    assert _error(post("/completions", {"model": "smollm2", "prompt": "a", "best_of": 3, "stream": True}),
+                  400)["param"] == "best_of"
     assert _error(post("/completions", {"model": "smollm2", "prompt": [5] * 9000}), 400)["code"] == \
         "context_length_exceeded"
     assert _error(post("/completions", {"model": "smollm2", "prompt": "hi", "max_tokens": 9000}), 400)["code"] == \
@@ -260,6 +265,45 @@ def test_logprobs_chat_and_completions(server, client):
     entries = [e for c in streamed for e in c.choices[0].logprobs.content]
     assert [e.token for e in entries] == [e.token for e in content]
     assert all(abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(entries, content))
+
+
+def _metric(url: str, name: str) -> float:
+    line = next(x for x in httpx.get(url + "/metrics").text.splitlines() if x.startswith(name + " "))
+    return float(line.split()[-1])
+
+
+def test_n_choices_share_the_prefill_and_repeat_with_a_seed(server, client):
+    """``n=4``: four choices decoded as one batch from one prefill of the prompt (the others copy
+    its entries: ``/metrics`` counts the prompt computed once), choice ``i`` sampled with
+    ``seed + i`` (what the engine alone gives with that seed), the same again for the same request,
+    and streamed the same; completions' ``best_of`` returns the ``n`` most likely."""
+    state, url = server
+    prompt = "Write one short sentence about the sea and the wind."
+    ids = encode_prompt(state.tokenizer, prompt)
+    computed = _metric(url, "speculum:prompt_tokens_computed_total")
+    kw = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": 10,
+          "temperature": 1.0, "seed": 7, "n": 4}
+    out = client.chat.completions.create(**kw)
+    assert _metric(url, "speculum:prompt_tokens_computed_total") - computed == len(ids) + 3  # + each root
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    texts = [c.message.content for c in out.choices]
+    assert len(set(texts)) > 1 and out.usage.prompt_tokens == len(ids)
+    alone = build_method("ngram", state.model, state.tokenizer, runner=state.runner).run(
+        ids, 10, SamplingParams(temperature=1.0), seed=9)
+    assert texts[2] == alone.text
+    assert [c.message.content for c in client.chat.completions.create(**kw).choices] == texts
+    streamed = {}
+    for c in client.chat.completions.create(**kw, stream=True):
+        for choice in c.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert [streamed[i] for i in range(4)] == texts
+    best = client.completions.create(model="smollm2", prompt="The sea is", max_tokens=6, temperature=1.0, seed=3,
+                                     n=2, best_of=4)
+    every = client.completions.create(model="smollm2", prompt="The sea is", max_tokens=6, temperature=1.0, seed=3,
+                                      n=4, logprobs=0)
+    ranked = sorted(every.choices, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert best.choices[0].logprobs is None
 
 
 @pytest.mark.parametrize("method", ["ar", "ngram"])

@@ -4,7 +4,9 @@ A :class:`Batcher` owns a :class:`~speculum.cache.SlotPool` (one KV slot per run
 loops over :meth:`Batcher.step`:
 
 1. **admit** waiting requests while a slot is free; a request whose prompt starts like a recent one
-   of the same tenant copies those KV entries (:class:`~.prefix_cache.PrefixCache`);
+   of the same tenant copies those KV entries (:class:`~.prefix_cache.PrefixCache`); one of several
+   choices of one prompt (a ``leader`` given) waits until the leader's prompt is in and copies its
+   entries, so that the prompt is prefilled once for all choices;
 2. **prefill** at most ``prefill_chunk`` prompt tokens, oldest request first, so that a long prompt
    delays the others by one chunk per step, not by its whole length; the chunks ride in the
    decoding step's forward (the weights are read once for both);
@@ -35,7 +37,7 @@ from ..errors import SpeculumError
 from ..result import FinishReason
 from ..sampling import SamplingParams
 from ..tree_sizing import TreeSizer
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, common_prefix
 
 
 @dataclass
@@ -56,8 +58,10 @@ class BatchRequest:
     on_done: Callable[[GenerationResult], None] | None = None
     on_error: Callable[[Exception], None] | None = None
     decoding: Decoding | None = field(default=None, repr=False)
-    reused: int = 0  # prompt tokens whose KV entries came from the prefix cache
+    reused: int = 0  # prompt tokens whose KV entries came from the prefix cache or the leader
     cancelled: bool = False
+    # another choice of the same prompt, submitted before this one: its prompt's entries are copied
+    leader: BatchRequest | None = field(default=None, repr=False)
 
     def chunk_logprobs(self, n: int) -> list | None:
         """The :class:`~speculum.result.TokenLogprob` s of the last ``n`` committed tokens (inside
@@ -192,20 +196,25 @@ class Batcher:
         return [results[i] for i in range(len(requests))]
 
     def _admit(self) -> None:
+        deferred = []  # choices whose leader's prompt is not in yet
         while self.waiting and len(self.running) < self.max_batch:
             r = self.waiting.popleft()
             if r.cancelled:
+                continue
+            entries, wait = self._leader_entries(r)
+            if wait:
+                deferred.append(r)
                 continue
             pool = self._pool(r.engine.runner)
             cache = pool.acquire()
             try:
                 # a drafter that reads hidden states needs the prompt's: a reused prefix has none
-                if (self.prefix_cache is not None and isinstance(cache, SlotCache)
+                if (entries is None and self.prefix_cache is not None and isinstance(cache, SlotCache)
                         and not r.engine.drafter.hidden_layers):
                     entries = self.prefix_cache.lookup(r.tenant, r.prompt_ids)
-                    if entries is not None:
-                        cache.load(entries)
-                        r.reused = entries.shape[3]
+                if entries is not None:
+                    cache.load(entries)
+                    r.reused = entries.shape[3]
                 drafter = r.engine.drafter.fork()
                 r.decoding = r.engine.start(r.prompt_ids, r.max_new_tokens, r.sampling, r.stop, r.seed, r.grammar,
                                             cache=cache, drafter=drafter, prefill=False)
@@ -216,6 +225,24 @@ class Batcher:
             if self.sizer is None:
                 self.sizer = r.engine.sizer
             self.running.append(r)
+        self.waiting.extendleft(reversed(deferred))
+
+    def _leader_entries(self, r: BatchRequest) -> tuple[torch.Tensor | None, bool]:
+        """For a choice with a leader: ``(entries, wait)``, the leader's prompt entries
+        ``[layers, 2, H_kv, m, d]`` to copy (None: prefill as usual), or ``wait`` while the leader's
+        prompt is not yet all in its cache."""
+        lead = r.leader
+        # (a drafter that reads hidden states needs the prompt's, which copied entries lack)
+        if (lead is None or lead.cancelled or lead.engine.runner is not r.engine.runner
+                or r.engine.drafter.hidden_layers):
+            return None, False
+        d = lead.decoding
+        if d is None or (d.reason is None and not d.prefilled):
+            return None, True
+        if d.reason is not None or not isinstance(d.cache, SlotCache):
+            return None, False
+        m = min(common_prefix(lead.prompt_ids, r.prompt_ids), len(r.prompt_ids) - 1, d.cache.length)
+        return d.cache.kv[:, :, :, :m], False
 
     def _prefill(self, r: BatchRequest, ids: list[int]) -> None:
         """Commit ``ids``, the next chunk of ``r``'s prompt, in a forward of their own."""

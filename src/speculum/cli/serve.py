@@ -83,6 +83,8 @@ def add_parser(sub) -> None:
                      help="largest request body (413 beyond; default: %(default)s)")
     lim.add_argument("--max-prompt-tokens", type=int, default=None,
                      help="longest prompt, in tokens, after the chat template (default: the model's context)")
+    lim.add_argument("--max-n", type=int, default=16,
+                     help="most choices one request may sample (n, and completions' best_of; default: %(default)s)")
     lim.add_argument("--max-json-depth", type=int, default=64,
                      help="deepest nesting of a request body, schemas included (default: %(default)s)")
     lim.add_argument("--max-grammar-bytes", type=int, default=64 << 10,

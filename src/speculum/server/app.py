@@ -14,6 +14,7 @@ that ``/health`` and other clients are answered while a large request is being p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import json
@@ -214,36 +215,58 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
                            code="invalid_value") from None
 
     async def _serve(request: Request, req: CommonParams, ids: list[int], chat: bool):
-        job = await _make_job(req, ids, state.tenant(request.scope["state"].get("api_key_index"), req.cache_salt))
+        n, best_of = req.n, getattr(req, "best_of", None) or req.n
+        for param, count in (("n", n), ("best_of", best_of)):
+            if count > state.limits.max_n:
+                raise APIError(f"{param} is {count}; this server samples at most {state.limits.max_n} choices "
+                               "per request (--max-n)", param=param)
+        if best_of < n:
+            raise APIError(f"best_of ({best_of}) must be at least n ({n})", param="best_of")
+        if best_of > n and req.stream:
+            raise APIError("best_of cannot be streamed (the best choices are known only at the end)", param="best_of")
+        if best_of > state.worker.max_queue:
+            raise APIError(f"{best_of} choices do not fit in this server's queue (--max-queue "
+                           f"{state.worker.max_queue})", param="best_of" if best_of > n else "n")
+        job = await _make_job(req, ids, state.tenant(request.scope["state"].get("api_key_index"), req.cache_salt),
+                              rank=best_of > n)
+        jobs = job.choices(best_of)
         try:
-            state.worker.submit(job)
+            state.worker.submit(*jobs)
         except QueueFull as e:
             raise APIError(str(e), 429, "rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(e.retry_after_s)}) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(request, job, rid, chat, include_usage),
+            return StreamingResponse(_stream(request, jobs, rid, chat, include_usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        result = None
+        results: dict[int, object] = {}
         try:
-            async for kind, value in _events(request, job):
+            async for i, kind, value in _events(request, jobs):
                 if kind == "done":
-                    result = value
-                    break
-                if kind == "error":
+                    results[i] = value
+                    if len(results) == len(jobs):
+                        break
+                elif kind == "error":
                     raise _worker_error(value)
-                if kind in ("cancelled", "disconnected"):
+                elif kind in ("cancelled", "disconnected"):
                     return Response(status_code=499)
         finally:
-            if result is None:
-                state.worker.cancel(job)
-        request.scope["state"]["completion_tokens"] = result.new_tokens
-        body = _response(rid, chat, state.model_name, result, job.method, state.tokenizer)
-        return JSONResponse(body)
+            for job in jobs:
+                if job.index not in results:
+                    state.worker.cancel(job)
+        chosen = [results[i] for i in range(len(jobs))]
+        if best_of > n:  # the n of highest total log-probability, their own logprobs only if asked for
+            total = lambda r: sum(t.logprob for t in r.logprobs if t.logprob is not None)
+            chosen = [r if req.logprob_count() is not None else dataclasses.replace(r, logprobs=None)
+                      for r in sorted(chosen, key=total, reverse=True)[:n]]
+        request.scope["state"]["completion_tokens"] = sum(r.new_tokens for r in results.values())
+        return JSONResponse(_response(rid, chat, state.model_name, chosen, job.method, state.tokenizer))
 
-    async def _make_job(req: CommonParams, ids: list[int], tenant: str) -> Job:
+    async def _make_job(req: CommonParams, ids: list[int], tenant: str, rank: bool = False) -> Job:
+        """Choice 0 of ``req``'s completion (``rank``: its sampled tokens' log-probabilities are
+        kept, to rank ``best_of`` choices)."""
         if req.model not in (None, "", state.model_name, "default"):
             raise APIError(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}",
                            404, code="model_not_found", param="model")
@@ -276,6 +299,8 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
         elif opts is not None and opts.kv_budget is not None:
             raise APIError("speculum.kv_budget needs speculum.kv_policy", param="speculum.kv_budget")
         logprobs = req.logprob_count()
+        if rank and logprobs is None:
+            logprobs = 0
         try:
             sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                                       repetition_penalty=req.repetition_penalty,
@@ -310,72 +335,75 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
             return None
         return compile_constraint(spec, state.tokenizer, state.vocab_size, state.eos_ids, close_reserve)
 
-    async def _stream(request: Request, job: Job, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
-        text = StreamingText(state.tokenizer, job.stop)
+    async def _stream(request: Request, jobs: list[Job], rid: str, chat: bool,
+                      include_usage: bool) -> AsyncIterator[str]:
+        texts = [StreamingText(state.tokenizer, job.stop) for job in jobs]
         created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: str | None, finish: str | None, first: bool = False, logprobs=None) -> str:
+        def chunk(i: int, delta: str | None, finish: str | None, first: bool = False, logprobs=None) -> str:
             lp = None if not logprobs else _logprobs(logprobs, chat, state.tokenizer)
             if chat:
                 d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
-                choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": lp}
-                obj = "chat.completion.chunk"
+                choice = {"index": i, "delta": d, "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": lp}
-                obj = "text_completion"
-            return _sse({"id": rid, "object": obj, "created": created, "model": state.model_name,
-                         "choices": [choice]})
+                choice = {"index": i, "text": delta or "", "finish_reason": finish, "logprobs": lp}
+            return _sse({"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [choice]})
 
-        done = False
+        results: dict[int, object] = {}
         try:
             if chat:
-                yield chunk(None, None, first=True)
-            async for kind, value in _events(request, job):
+                for job in jobs:
+                    yield chunk(job.index, None, None, first=True)
+            async for i, kind, value in _events(request, jobs):
                 if kind == "tokens":
                     ids, logprobs = value
-                    delta = text.add(ids)
+                    delta = texts[i].add(ids)
                     if delta or logprobs:  # (a chunk's logprobs go out with it, its text held back or not)
-                        yield chunk(delta, None, logprobs=logprobs)
+                        yield chunk(i, delta, None, logprobs=logprobs)
                 elif kind == "done":
-                    request.scope["state"]["completion_tokens"] = value.new_tokens
-                    rest = text.finish(value.text)
+                    results[i] = value
+                    rest = texts[i].finish(value.text)
                     if rest:
-                        yield chunk(rest, None)
-                    yield chunk(None, FINISH[value.finish_reason])
+                        yield chunk(i, rest, None)
+                    yield chunk(i, None, FINISH[value.finish_reason])
+                    if len(results) < len(jobs):
+                        continue
+                    request.scope["state"]["completion_tokens"] = sum(r.new_tokens for r in results.values())
                     if include_usage:
-                        yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                    "created": created, "model": state.model_name, "choices": [],
-                                    "usage": _usage(value)})
+                        yield _sse({"id": rid, "object": obj, "created": created, "model": state.model_name,
+                                    "choices": [], "usage": _usage(list(results.values()))})
                     yield "data: [DONE]\n\n"
-                    done = True
                     return
                 elif kind == "error":
-                    err = _worker_error(value)
-                    yield _sse(err.body())
+                    results[i] = None
+                    yield _sse(_worker_error(value).body())
                     yield "data: [DONE]\n\n"
-                    done = True
                     return
                 else:  # cancelled or disconnected
                     return
         finally:
-            if not done:
-                state.worker.cancel(job)
+            for job in jobs:
+                if job.index not in results:
+                    state.worker.cancel(job)
 
-    async def _events(request: Request, job: Job, every_s: float = 0.25) -> AsyncIterator[tuple[str, object]]:
-        """The worker's events for ``job``; ``("disconnected", None)`` (and the job cancelled, its
-        queue slot freed) as soon as the client has gone away, checked at least every ``every_s``
-        seconds, while the job waits and while tokens flow."""
-        checked = time.perf_counter()
+    async def _events(request: Request, jobs: list[Job], every_s: float = 0.25) -> AsyncIterator[tuple]:
+        """The worker's events ``(choice, kind, value)`` for ``jobs`` (the choices of one request,
+        which share one event queue); ``(0, "disconnected", None)`` (and the jobs cancelled, their
+        queue slots freed) as soon as the client has gone away, checked at least every ``every_s``
+        seconds, while the jobs wait and while tokens flow."""
+        checked, events = time.perf_counter(), jobs[0].events
         while True:
             try:
-                item = await asyncio.wait_for(job.events.get(), timeout=every_s)
+                item = await asyncio.wait_for(events.get(), timeout=every_s)
             except TimeoutError:
                 item = None
             if item is None or time.perf_counter() - checked > every_s:
                 checked = time.perf_counter()
                 if await request.is_disconnected():
-                    state.worker.cancel(job)
-                    yield "disconnected", None
+                    for job in jobs:
+                        state.worker.cancel(job)
+                    yield 0, "disconnected", None
                     return
             if item is not None:
                 yield item
@@ -387,27 +415,34 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(result) -> dict:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.new_tokens,
-            "total_tokens": result.prompt_tokens + result.new_tokens}
+def _usage(results: list) -> dict:
+    """OpenAI's ``usage`` of a request's choices (their prompt counted once)."""
+    prompt, completion = results[0].prompt_tokens, sum(r.new_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _response(rid: str, chat: bool, model_name: str, result, method: str, tokenizer) -> dict:
-    text, finish = result.text, FINISH[result.finish_reason]
-    logprobs = None if result.logprobs is None else _logprobs(result.logprobs, chat, tokenizer)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": logprobs}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
-    stats = result.to_dict()
+def _response(rid: str, chat: bool, model_name: str, results: list, method: str, tokenizer) -> dict:
+    """The non-streamed body of a request whose choices ended with ``results``."""
+    choices = []
+    for i, result in enumerate(results):
+        finish = FINISH[result.finish_reason]
+        logprobs = None if result.logprobs is None else _logprobs(result.logprobs, chat, tokenizer)
+        if chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": result.text},
+                            "finish_reason": finish, "logprobs": logprobs})
+        else:
+            choices.append({"index": i, "text": result.text, "finish_reason": finish, "logprobs": logprobs})
+    stats = [r.to_dict() for r in results]
+    total = lambda key: sum(s[key] for s in stats)
+    forwards = sum(r.forwards for r in results)
     return {
         "id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-        "model": model_name, "choices": [choice], "usage": _usage(result),
-        "speculum": {"method": method, "forwards": result.forwards,
-                     "mean_accepted": round(result.mean_accepted, 3), "tok_s": round(result.tok_s, 2),
-                     "drafted": stats["drafted"], "accepted": stats["accepted"], "forced": stats["forced"],
-                     "time_mask_s": stats["time_mask_s"]},
+        "model": model_name, "choices": choices, "usage": _usage(results),
+        "speculum": {"method": method, "forwards": forwards,
+                     "mean_accepted": round(sum(r.mean_accepted * r.forwards for r in results) / max(forwards, 1), 3),
+                     "tok_s": round(sum(r.tok_s for r in results), 2),
+                     "drafted": total("drafted"), "accepted": total("accepted"), "forced": total("forced"),
+                     "time_mask_s": total("time_mask_s")},
     }
 
 

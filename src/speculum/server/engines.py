@@ -65,6 +65,7 @@ class EngineJob(Generation):
     constraint: tuple | None  # (ConstraintSpec, close_reserve)
     tenant: str
     kv: tuple[str, str] | None = None  # (KV policy, budget)
+    leader: int | None = None  # the job id of choice 0 of the same request, on this engine
 
 
 def _picklable(e: BaseException) -> BaseException:
@@ -125,7 +126,7 @@ def _engine_main(conn, config: EngineConfig) -> None:  # pragma: no cover - runs
         live[jid] = BatchRequest(method.engine, job.prompt_ids, job.max_tokens, job.sampling, job.stop, job.seed,
                                  grammar, job.tenant,
                                  lambda ids: conn.send((jid, "tokens", (ids, live[jid].chunk_logprobs(len(ids))))),
-                                 done, failed)
+                                 done, failed, leader=live.get(job.leader))
         batcher.submit(live[jid])
 
     try:
@@ -228,15 +229,17 @@ class EnginePool(JobAccounting):
 
     # -- the Worker interface --------------------------------------------------------------------
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Queue ``jobs`` (the choices of one request), all or none."""
         with self._lock:
             if not any(e.alive for e in self.engines):
                 raise SpeculumError("no engine is running (see the server log)")
             free = sum(self.max_batch - len(e.jobs) for e in self.engines if e.alive)
-            if len(self._waiting) >= self.max_queue and free <= 0:
+            if len(self._waiting) + len(jobs) > self.max_queue + max(free, 0):
                 raise self._queue_full(len(self._waiting), self.max_batch * len(self.engines))
-            job.queued = True
-            self._waiting.append(job)
+            for job in jobs:
+                job.queued = True
+                self._waiting.append(job)
             self._dispatch()
 
     def cancel(self, job: Job) -> None:
@@ -288,6 +291,12 @@ class EnginePool(JobAccounting):
             last = self._last_engine.get(job.tenant)
             e = next((e for e in open_ if e.index == last and len(e.jobs) == least),
                      next(e for e in open_ if len(e.jobs) == least))
+            leader = None  # a later choice goes where choice 0 runs, to copy its prompt's entries
+            for other in open_:
+                leader = next((jid for jid, j in other.jobs.items() if j is job.leader), None)
+                if leader is not None:
+                    e = other
+                    break
             jid = next(self._ids)
             e.jobs[jid] = job
             self._last_engine[job.tenant] = e.index
@@ -298,7 +307,7 @@ class EnginePool(JobAccounting):
             g = job.grammar
             self._send(e, ("submit", jid, EngineJob(job.method, job.prompt_ids, job.max_tokens, job.sampling, job.stop,
                                                     job.seed, None if g is None else (g.spec, g.close_reserve),
-                                                    job.tenant, job.kv)))
+                                                    job.tenant, job.kv, leader)))
             self.per_engine.labels(str(e.index)).inc()
         self.metrics.waiting.set(len(self._waiting))
         self._running.set(sum(len(e.jobs) for e in self.engines))

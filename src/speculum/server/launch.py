@@ -41,10 +41,10 @@ def check_serve_args(args: argparse.Namespace) -> None:
         raise SpeculumError("--replicas must be in 1..256")
     if not 0 < args.port < 65536:
         raise SpeculumError("--port must be in 1..65535")
-    if min(args.max_request_bytes, args.max_json_depth, args.max_grammar_bytes, args.max_prompt_tokens or 1) < 1 \
-            or args.grammar_timeout <= 0:
-        raise SpeculumError("--max-request-bytes, --max-prompt-tokens, --max-json-depth, --max-grammar-bytes and "
-                            "--grammar-timeout must be positive")
+    if min(args.max_request_bytes, args.max_json_depth, args.max_grammar_bytes, args.max_prompt_tokens or 1,
+           args.max_n) < 1 or args.grammar_timeout <= 0:
+        raise SpeculumError("--max-request-bytes, --max-prompt-tokens, --max-n, --max-json-depth, --max-grammar-bytes "
+                            "and --grammar-timeout must be positive")
     if args.deterministic and args.runner == "hf":
         raise SpeculumError("--deterministic needs the native runner (--runner native or auto)")
     if args.draft_head:
@@ -81,7 +81,7 @@ def build_state(args: argparse.Namespace, engines: int | None = None, threads: i
     from .metrics import Metrics
 
     limits = RequestLimits(args.max_json_depth, args.max_grammar_bytes, compile_timeout_s=args.grammar_timeout,
-                           max_prompt_tokens=args.max_prompt_tokens)
+                           max_prompt_tokens=args.max_prompt_tokens, max_n=args.max_n)
     engines = engines or args.engines or default_engines(args.device)
     threads = threads or args.threads
     cores = torch.get_num_threads()

@@ -21,6 +21,7 @@ class RequestLimits:
     max_choices: int = 4096
     compile_timeout_s: float = 10.0
     max_prompt_tokens: int | None = None  # None: the model's context
+    max_n: int = 16  # choices per request (n, best_of)
 
 
 def json_depth(value) -> int:

@@ -32,6 +32,9 @@ class Metrics:
                                        ["engine"], registry=r)
         self.prefix_hit_tokens = Counter("speculum:prefix_cache_hit_tokens",
                                          "Prompt tokens whose KV entries came from the prefix cache", registry=r)
+        self.prefill_tokens = Counter("speculum:prompt_tokens_computed",
+                                      "Prompt tokens whose KV entries were computed (not copied from the prefix "
+                                      "cache or from another choice of the same request)", registry=r)
         self.ttft = Histogram("speculum:time_to_first_token_seconds", "Time to first token (queue included)",
                               buckets=LATENCY_BUCKETS + (20.0, 40.0), registry=r)
         self.tpot = Histogram("speculum:time_per_output_token_seconds", "Decode time per generated token",

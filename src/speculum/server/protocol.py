@@ -2,9 +2,11 @@
 
 Unknown fields are ignored, as OpenAI does (``user``, ``metadata``, ``store``, ``service_tier``
 and the like change nothing here); known fields of the wrong type or out of range are 400 errors
-naming the field. Features the server does not implement (``n > 1``, ``best_of > 1``,
-``logit_bias``, ``suffix``, ``echo``, tools) are refused with a clear 400 rather than silently
-ignored; so is an unknown key inside ``speculum``. ``logprobs`` (chat: a bool with
+naming the field. Features the server does not implement (``logit_bias``, ``suffix``, ``echo``, tools) are refused with a clear 400 rather than silently
+ignored; so is an unknown key inside ``speculum``. ``n`` choices (up to the server's ``--max-n``)
+share the prompt's prefill and decode in one batch, choice ``i`` seeded with ``seed + i``;
+completions' ``best_of`` samples that many and returns the ``n`` of highest total
+log-probability (not streamed, as OpenAI). ``logprobs`` (chat: a bool with
 ``top_logprobs`` 0-20; completions: 0-5 alternatives) come from the verification forward that
 accepted each token, from the model's own distribution unless ``speculum.logprobs_mode`` is
 ``"processed"``; streamed, each chunk carries its tokens'. ``presence_penalty`` and ``frequency_penalty``
@@ -93,7 +95,7 @@ class CommonParams(BaseModel):
     top_k: int = Field(default=0, ge=0)  # not OpenAI's, common in compatible servers
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)  # what torch's generator takes
-    n: int = 1
+    n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: Any = None
@@ -107,7 +109,6 @@ class CommonParams(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)  # not OpenAI's: vLLM's and transformers'
     logit_bias: dict[str, float] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    best_of: int | None = None
 
     @field_validator("max_tokens")
     @classmethod
@@ -123,20 +124,6 @@ class CommonParams(BaseModel):
             raise ValueError("at most 4 stop sequences")
         if any(len(s) > MAX_STOP_CHARS for s in ([v] if isinstance(v, str) else v or [])):
             raise ValueError(f"a stop sequence is longer than {MAX_STOP_CHARS} characters")
-        return v
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v):
-        if v not in (None, 1):
-            raise ValueError("only best_of=1 is supported")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _one(cls, v):
-        if v != 1:
-            raise ValueError("only n=1 is supported")
         return v
 
     _no_bias = refuse_set("logit_bias", "logit_bias is not supported")
@@ -166,6 +153,7 @@ class CompletionRequest(CommonParams):
     max_tokens: int | None = 16  # OpenAI's default for completions
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
 
     _no_echo = refuse_set("echo", "echo is not supported")
     _no_suffix = refuse_set("suffix", "suffix (insertion) is not supported")
@@ -200,6 +188,14 @@ class ChatCompletionRequest(CommonParams):
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
+    best_of: int | None = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, v):
+        if v not in (None, 1):
+            raise ValueError("best_of is a completions parameter; chat samples several choices with n")
+        return v
 
     def _logprob_count(self) -> int:  # chat: logprobs is a bool, top_logprobs the count
         if self.logprobs is not True:

@@ -13,6 +13,7 @@ server answers 429.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -43,13 +44,16 @@ class Generation:
 
 @dataclass
 class Job(Generation):
-    """A request for the worker. ``events`` receives ``("tokens", ([ids], [TokenLogprob] or None))``,
-    then ``("done", result)`` or ``("error", exception)`` or ``("cancelled", None)``."""
+    """A request for the worker: one choice of a completion. ``events`` receives ``(index,
+    "tokens", ([ids], [TokenLogprob] or None))``, then ``(index, "done", result)`` or ``(index,
+    "error", exception)`` or ``(index, "cancelled", None)``; the choices of one request share it."""
 
     grammar: Grammar | None
     loop: asyncio.AbstractEventLoop
     tenant: str = ""  # whose drafter state the job may use and teach (ServerState.get_method)
     kv: tuple[str, str] | None = None  # (KV policy, budget) for this request, or the full cache
+    index: int = 0  # which choice of its request
+    leader: Job | None = field(default=None, repr=False)  # choice 0 of the request, whose prompt entries are copied
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
@@ -58,7 +62,16 @@ class Job(Generation):
     queued: bool = False  # holds a queue slot (Worker.submit until dequeued or cancelled)
 
     def emit(self, kind: str, value) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, value))
+
+    def choices(self, n: int) -> list[Job]:
+        """This job and ``n - 1`` more choices of the same request (sharing its events): choice ``i``
+        samples with ``seed + i`` (so that a seeded request repeats), and copies the prompt's entries
+        from this one."""
+        seed = lambda i: None if self.seed is None else (self.seed + i) % (1 << 64)
+        return [self] + [dataclasses.replace(self, index=i, seed=seed(i), leader=self, events=self.events,
+                                             cancelled=threading.Event(), submitted=time.perf_counter())
+                         for i in range(1, n)]
 
 
 class QueueFull(Exception):
@@ -96,6 +109,7 @@ class JobAccounting:
         ttft = job.first_token - job.submitted if job.first_token is not None else None
         self.metrics.record(job.method, result, ttft, job.started - job.submitted, end - job.submitted)
         self.metrics.prefix_hit_tokens.inc(reused)
+        self.metrics.prefill_tokens.inc(result.prompt_tokens - reused)
         self._mean_request_s = 0.8 * self._mean_request_s + 0.2 * (end - job.started)
         job.emit("done", result)
 
@@ -113,14 +127,17 @@ class Worker(JobAccounting):
         self._thread = threading.Thread(target=self._run, name="speculum-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Queue ``jobs`` (the choices of one request), all or none."""
         with self._lock:
-            if self._waiting >= self.max_queue:
+            if self._waiting + len(jobs) > self.max_queue:
                 raise self._queue_full(self._waiting, self.batcher.max_batch)
-            self._waiting += 1
-            job.queued = True
+            self._waiting += len(jobs)
+            for job in jobs:
+                job.queued = True
             self.metrics.waiting.set(self._waiting)
-        self._queue.put(job)
+        for job in jobs:
+            self._queue.put(job)
 
     def cancel(self, job: Job) -> None:
         """Stop ``job``: a running one between two decoding steps, a queued one at once (its slot
@@ -201,4 +218,6 @@ class Worker(JobAccounting):
         request = BatchRequest(method.engine, job.prompt_ids, job.max_tokens, job.sampling, job.stop, job.seed,
                                job.grammar, job.tenant,
                                lambda ids: self._tokens(job, (ids, request.chunk_logprobs(len(ids)))), on_done, on_error)
+        if job.leader is not None:
+            request.leader = running.get(id(job.leader), (None, None))[1]
         return request
