@@ -253,13 +253,18 @@ def test_first_draft_is_the_references(layout, tmp_path):
     assert all(p == -1 for p in first.parents)
 
 
-@pytest.mark.parametrize("layout", ["eagle1", "eagle3", "medusa"])
-def test_greedy_with_published_heads_equals_ar(layout, tmp_path):
+@pytest.mark.parametrize("case", ["eagle1", "eagle3", "eagle3_device_tree", "medusa"])
+def test_greedy_with_published_heads_equals_ar(case, tmp_path):
+    """Lossless; ``device_tree``: EAGLE-2's fixed-shape growth (eager here, CUDA graphs on a GPU)."""
+    layout, _, variant = case.partition("_")
     model = target_for(layout)
     make(layout, tmp_path / layout)
     kind = "medusa" if layout == "medusa" else "eagle"
     ar = build_method("ar", model, None)
-    method = build_method(kind, model, None, draft_head=(str(tmp_path / layout),), top_k=3, max_nodes=12, sized=False)
+    options = {"device_tree": True} if variant else {}
+    method = build_method(kind, model, None, draft_head=(str(tmp_path / layout),), top_k=3, max_nodes=12,
+                          sized=False, **options)
+    assert getattr(method.engine.drafter, "device_tree", False) == bool(variant)
     drafted = 0
     for p in prompts(1):
         got = method.run(p, 32)
