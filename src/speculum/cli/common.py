@@ -34,8 +34,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--draft-model", default=None,
                    help="draft model for the draft_model and hf_assisted methods (same tokenizer as --model)")
-    p.add_argument("--draft-head", default=None, type=head_files, metavar="FILE[,FILE...]",
-                   help=HEAD_HELP)
+    p.add_argument("--draft-head", default=None, type=head_files, metavar=HEAD_METAVAR, help=HEAD_HELP)
     add_runner_arg(p)
     chat = p.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
@@ -56,15 +55,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "default 0 = off)")
 
 
-HEAD_HELP = ("trained head files for the learned drafters (eagle, medusa, hydra, kangaroo, ppd), from `speculum train-draft`, "
-             "comma-separated, each used for its kind (default: the heads speculum ships for --model, if any)")
+HEAD_HELP = ("draft heads for the learned drafters, comma-separated, each used for its kind: head files from "
+             "`speculum train-draft` (eagle, medusa, hydra, kangaroo, ppd), or published heads in their released "
+             "layouts, as a directory or a Hugging Face hub id (downloaded): EAGLE-1/2 and EAGLE-3 (for eagle), "
+             "Medusa (for medusa); default: the heads speculum ships for --model, if any")
+HEAD_METAVAR = "FILE|DIR|HUB_ID[,...]"
 
 
 def head_files(text: str) -> tuple[str, ...]:
-    """``--draft-head a.safetensors,b.safetensors`` -> the file names."""
+    """``--draft-head a.safetensors,yuhuili/EAGLE3-LLaMA3.1-Instruct-8B`` -> the files, directories or hub ids."""
     files = tuple(x.strip() for x in text.split(",") if x.strip())
     if not files:
-        raise argparse.ArgumentTypeError("give at least one head file")
+        raise argparse.ArgumentTypeError("give at least one head file, directory or hub id")
     return files
 
 

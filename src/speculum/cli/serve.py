@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..methods import ENGINE_METHODS
-from .common import DTYPE_HELP, HEAD_HELP, WEIGHTS_HELP, add_runner_arg, head_files
+from .common import DTYPE_HELP, HEAD_HELP, HEAD_METAVAR, WEIGHTS_HELP, add_runner_arg, head_files
 
 
 def add_parser(sub) -> None:
@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     s.add_argument("--method", default="auto", help=f"default drafter: {', '.join(ENGINE_METHODS[:-1])} "
                                                      "(default: %(default)s)")
-    s.add_argument("--draft-head", default=None, type=head_files, metavar="FILE[,FILE...]", help=HEAD_HELP)
+    s.add_argument("--draft-head", default=None, type=head_files, metavar=HEAD_METAVAR, help=HEAD_HELP)
     s.add_argument("--host", default="127.0.0.1", help="(default: %(default)s)")
     s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     s.add_argument("--max-queue", type=int, default=16,

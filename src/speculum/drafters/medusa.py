@@ -64,7 +64,7 @@ class MedusaDrafter(HeadDrafter):
     def propose(self, tokens: list[int], budget: int) -> DraftTree:
         if not self.ready(tokens, budget):
             return DraftTree()
-        logits = self.tables.logits(self.head.draft(self.feat)).float()  # [K heads, K vocab]
+        logits = self.head.draft_logits(self.feat, self.tables).float()  # [K heads, K vocab]
         depth = min(self.depth, budget)
         if not self.params.greedy:
             drafted, qs = [], []

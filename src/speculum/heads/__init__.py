@@ -105,7 +105,8 @@ class TargetTables:
 
     ``embed [V, D]`` token embeddings (times ``embed_scale`` where the model scales them, Gemma);
     ``head [K, D]`` the LM head's rows for the draft vocabulary; ``vocab [K]`` their token ids (None:
-    all ``V``, in order); ``softcap``: the final logit soft-capping (Gemma-2), or None.
+    all ``V``, in order); ``softcap``: the final logit soft-capping (Gemma-2), or None; ``prenorm``:
+    a norm ``[..., D] -> [..., D]`` before ``head`` (a head with an LM head of its own, EAGLE-3's), or None.
     """
 
     embed: torch.Tensor
@@ -115,6 +116,7 @@ class TargetTables:
     softcap: float | None
     quantized: object = None  # the target's quantized LM head rows, which drafting then runs
     quantized_embed: object = None  # the target's quantized embedding table, rows dequantized as looked up
+    prenorm: object = None
 
     def __post_init__(self):
         from ..runners.packed import packed_linear
@@ -183,6 +185,8 @@ class TargetTables:
 
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Predicted features ``[..., D]`` -> draft-vocabulary logits ``[..., K]``."""
+        if self.prenorm is not None:
+            feats = self.prenorm(feats)
         if self.quantized is not None and not torch.is_grad_enabled():
             out = self.quantized(feats.float()).to(feats.dtype)
         elif self.packed is not None and not torch.is_grad_enabled():
@@ -221,31 +225,36 @@ def save_head(path: str | Path, kind: str, module: torch.nn.Module, draft_vocab:
 
 
 def load_head(path: str | Path, model=None) -> LoadedHead:
-    """Read a head file; with ``model``, check that it fits that target (hidden size, vocabulary)."""
-    from safetensors import safe_open
+    """Read a head file, or a published head's directory or hub id (:mod:`~speculum.heads.published`);
+    with ``model``, check that it fits that target (hidden size, vocabulary)."""
+    from .published import is_published, read_published
 
-    kind = head_kind(path)  # checks that it is a head file
-    path = Path(path).expanduser()
-    with safe_open(str(path), "pt") as f:
-        header = f.metadata()
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
-    spec = LEARNED[kind]
-    config = spec.config(**json.loads(header["config"]))
-    meta = json.loads(header.get("meta", "{}"))
-    vocab = tensors.pop("draft_vocab", None)
-    module = spec.module(config)
-    module.load_state_dict({k: v.float() for k, v in tensors.items()})
-    module.eval().requires_grad_(False)
+    loaded = read_published(path, model) if is_published(path) else _read_file(path)
+    config, meta, vocab, name = loaded.module.config, loaded.meta, loaded.draft_vocab, Path(path).name
     if model is not None:
         cfg = model.config.get_text_config()
         width = model.get_output_embeddings().weight.shape[0]
         if config.hidden != cfg.hidden_size:
-            raise SpeculumError(f"draft head {path.name} was trained for hidden size {config.hidden}, "
+            raise SpeculumError(f"draft head {name} was trained for hidden size {config.hidden}, "
                                 f"this model's is {cfg.hidden_size}")
         if meta.get("vocab") not in (None, width) or (vocab is not None and int(vocab.max()) >= width):
-            raise SpeculumError(f"draft head {path.name} was trained for a vocabulary of {meta.get('vocab')}, "
+            raise SpeculumError(f"draft head {name} was trained for a vocabulary of {meta.get('vocab')}, "
                                 f"this model's logits are {width} wide")
-    return LoadedHead(kind, module, vocab, meta)
+    return loaded
+
+
+def _read_file(path: str | Path) -> LoadedHead:
+    from safetensors import safe_open
+
+    kind = head_kind(path)  # checks that it is a head file
+    with safe_open(str(Path(path).expanduser()), "pt") as f:
+        header = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
+    spec = LEARNED[kind]
+    vocab = tensors.pop("draft_vocab", None)
+    module = spec.module(spec.config(**json.loads(header["config"])))
+    module.load_state_dict({k: v.float() for k, v in tensors.items()})
+    return LoadedHead(kind, module.eval().requires_grad_(False), vocab, json.loads(header.get("meta", "{}")))
 
 
 # target model -> {head file: (frozen head module, target tables)}: every method of one target (a
@@ -253,13 +262,19 @@ def load_head(path: str | Path, model=None) -> LoadedHead:
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-HeadFiles = str | Path | Sequence[str | Path] | None  # head files a user gave (--draft-head), any kinds
+# head files, published heads' directories or hub ids a user gave (--draft-head), any kinds
+HeadFiles = str | Path | Sequence[str | Path] | None
 
 
 def head_kind(path: str | Path) -> str:
-    """The kind written in a head file's header (a missing or foreign file raises :class:`SpeculumError`)."""
+    """The kind written in a head file's header, or a published head's (a missing or foreign file
+    raises :class:`SpeculumError`)."""
     from safetensors import safe_open
 
+    from .published import is_published, published_kind
+
+    if is_published(path):
+        return published_kind(path)
     path = Path(path).expanduser()
     if not path.is_file():
         raise SpeculumError(f"draft head {str(path)!r} does not exist")
@@ -274,12 +289,15 @@ def head_kind(path: str | Path) -> str:
 
 
 def pick_head(files: HeadFiles, kind: str) -> Path | None:
-    """The file of ``kind`` among ``files`` (a path or several, matched by the kind in each header)."""
+    """The file (or published head's directory, a hub id's downloaded) of ``kind`` among ``files`` (a
+    path or several, matched by the kind in each header)."""
+    from .published import is_published, local_dir
+
     if files is None:
         return None
     for path in [files] if isinstance(files, str | Path) else files:
         if head_kind(path) == kind:
-            return Path(path).expanduser()
+            return local_dir(path) if is_published(path) else Path(path).expanduser()
     return None
 
 
@@ -297,7 +315,7 @@ def head_for_target(target: torch.nn.Module, kind: str, files: HeadFiles,
         raise SpeculumError(f"{kind} needs a trained head: speculum ships none for this model; train one with "
                             f"`speculum train-draft --kind {kind}` and pass --draft-head PATH")
     path = Path(path).expanduser()
-    if not path.is_file():
+    if not path.exists():
         raise SpeculumError(f"draft head {str(path)!r} does not exist")
     per_target = _LOADED.setdefault(target, {})
     key = str(path.resolve())
@@ -309,9 +327,10 @@ def head_for_target(target: torch.nn.Module, kind: str, files: HeadFiles,
 
         dtype = model_dtype(target)
         head = loaded.module.to(dtype).to(model_device(target)).freeze()
-        per_target[key] = head, TargetTables.of(target, loaded.draft_vocab, dtype, drafting=True)
+        tables = TargetTables.of(target, loaded.draft_vocab, dtype, drafting=True)
+        per_target[key] = head, head.own_tables(tables) if hasattr(head, "own_tables") else tables
     head, tables = per_target[key]
-    if full_vocab and tables.vocab is not None:
+    if full_vocab and tables.vocab is not None and tables.prenorm is None:  # (an LM head of its own: no other)
         if (key, "full") not in per_target:
             per_target[key, "full"] = TargetTables.of(target, None, tables.embed.dtype, drafting=True)
         tables = per_target[key, "full"]

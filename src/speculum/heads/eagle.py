@@ -26,7 +26,7 @@ from torch import nn
 from ..cache.store import DraftBuffer, put
 from ..runners.packed import fast_linear
 
-LAYOUTS = ("speculum", "eagle1")
+LAYOUTS = ("speculum", "eagle1", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,18 @@ class EagleConfig:
     # (``fuse [len * D -> D]``); empty: the feature_layer's state as it is
     fuse_layers: tuple[int, ...] = ()
     # "speculum": ``fc`` with a bias and an input norm before attention; "eagle1": neither, the layout
-    # of EAGLE-1's reference head and of vLLM's ``EagleLlamaForCausalLM`` (``speculum export-head``)
+    # of EAGLE-1's reference head and of vLLM's ``EagleLlamaForCausalLM`` (``speculum export-head``);
+    # "eagle3": EAGLE-3's released layer (see :class:`EagleHead`), read by :mod:`~speculum.heads.published`
     layout: str = "speculum"
+    fc_bias: bool | None = None  # ``fc``'s bias; None: the layout's (speculum: yes, eagle1: no)
+    draft_vocab: int = 0  # eagle3: the rows ``K`` of the head's own LM head
 
     def __post_init__(self):
         object.__setattr__(self, "fuse_layers", tuple(self.fuse_layers))  # (a list, read back from JSON)
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown EAGLE head layout {self.layout!r}; choose from {', '.join(LAYOUTS)}")
+        if self.layout == "eagle3" and not (self.fuse_layers and self.draft_vocab):
+            raise ValueError("an eagle3 head fuses target layers (fuse_layers) and has its own LM head (draft_vocab)")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,13 +93,14 @@ class AttentionHead(nn.Module):
     ``input_norm`` and ``q``, ``k``, ``v``, ``o`` projections of a config with ``hidden``, ``heads``,
     ``kv_heads``, ``head_dim``, ``rope_theta`` and ``eps``, and rotary positions."""
 
-    def __init__(self, c):
+    def __init__(self, c, width: int | None = None):
         super().__init__()
         self.config = c
         self.input_norm = RMSNorm(c.hidden, c.eps)
-        self.q = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
-        self.k = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
-        self.v = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        width = width or c.hidden  # the attention's input width
+        self.q = nn.Linear(width, c.heads * c.head_dim, bias=False)
+        self.k = nn.Linear(width, c.kv_heads * c.head_dim, bias=False)
+        self.v = nn.Linear(width, c.kv_heads * c.head_dim, bias=False)
         self.o = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
         self.register_buffer("inv_freq", inv, persistent=False)
@@ -113,12 +119,28 @@ class AttentionHead(nn.Module):
 
 class EagleHead(AttentionHead):
     """``fc`` (``2D -> D``) then one Llama-style decoder layer; output the predicted feature ``[.., D]``.
-    In the ``eagle1`` layout ``fc`` has no bias and the layer no input norm."""
+    In the ``eagle1`` layout ``fc`` has no bias (unless ``fc_bias``) and the layer no input norm.
+
+    The ``eagle3`` layout is EAGLE-3's released layer (SafeAILab's ``midlayer``, vLLM's
+    ``Eagle3LlamaForCausalLM``): ``fuse`` (its ``fc``, ``3D -> D``, on the raw target states) makes the
+    committed tokens' features; there is no ``fc`` of the pair: the attention reads
+    ``[input_norm(embedding); hidden_norm(feature)]`` ``[.., 2D]`` and the residual stream starts at the
+    feature. The output ``[.., D]`` is the head's own hidden state, fed back as a drafted token's feature
+    and read through the head's own ``norm`` and ``lm_head`` ``[K, D]`` (:meth:`own_tables`), whose
+    row ``i`` is target token ``i + d2t[i]``."""
 
     def __init__(self, config: EagleConfig):
-        super().__init__(config)
         c = config
-        self.fc = nn.Linear(2 * c.hidden, c.hidden, bias=c.layout == "speculum")
+        eagle3 = c.layout == "eagle3"
+        super().__init__(config, 2 * c.hidden if eagle3 else None)
+        if eagle3:
+            self.hidden_norm = RMSNorm(c.hidden, c.eps)
+            self.norm = RMSNorm(c.hidden, c.eps)
+            self.lm_head = nn.Linear(c.hidden, c.draft_vocab, bias=False)
+            self.register_buffer("d2t", torch.zeros(c.draft_vocab, dtype=torch.long))  # [K] target id - row
+        else:
+            bias = c.layout == "speculum" if c.fc_bias is None else c.fc_bias
+            self.fc = nn.Linear(2 * c.hidden, c.hidden, bias=bias)
         self.normed_input = c.layout == "speculum"
         self.post_norm = RMSNorm(c.hidden, c.eps)
         self.gate = nn.Linear(c.hidden, c.intermediate, bias=False)
@@ -131,7 +153,7 @@ class EagleHead(AttentionHead):
         """EAGLE-3's fused layers' states ``[..., len(fuse_layers) * D]``, each layer's RMS-normalised
         (residual streams of middle layers carry a few huge channels); others as they are."""
         c = self.config
-        if not c.fuse_layers:
+        if not c.fuse_layers or c.layout == "eagle3":  # (EAGLE-3's fc reads the raw states)
             return states
         parts = states.unflatten(-1, (len(c.fuse_layers), c.hidden))
         return F.rms_norm(parts, (c.hidden,), eps=c.eps).flatten(-2)
@@ -145,14 +167,33 @@ class EagleHead(AttentionHead):
         """``feats, embeds [..., n, D]`` -> the residual ``[..., n, D]`` and roped ``q [..., H, n, d]``,
         ``k, v [..., H_kv, n, d]``."""
         c = self.config
-        h = self.fc(torch.cat((embeds, feats), dim=-1))
-        x = self.input_norm(h) if self.normed_input else h
+        h, x = self._attention_input(feats, embeds, getattr(self, "fc", None))
         lead = x.shape[:-1]
         q = self.q(x).view(*lead, c.heads, c.head_dim).transpose(-2, -3)
         k = self.k(x).view(*lead, c.kv_heads, c.head_dim).transpose(-2, -3)
         v = self.v(x).view(*lead, c.kv_heads, c.head_dim).transpose(-2, -3)
         cos, sin = self.rope(positions, x.dtype)
         return h, _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def _attention_input(self, feats: torch.Tensor, embeds: torch.Tensor, fc) -> tuple[torch.Tensor, torch.Tensor]:
+        """``feats, embeds [..., D]`` -> the residual stream ``[..., D]`` and the attention's input
+        (``[..., D]``; ``eagle3``: ``[..., 2D]``), ``fc`` being :attr:`fc` or its drafting-time product."""
+        if self.config.layout == "eagle3":
+            return feats, torch.cat((self.input_norm(embeds), self.hidden_norm(feats)), dim=-1)
+        h = fc(torch.cat((embeds, feats), dim=-1))
+        return h, self.input_norm(h) if self.normed_input else h
+
+    def own_tables(self, tables):
+        """``eagle3``: the target's :class:`~speculum.heads.TargetTables` (its embedding) drafting
+        through this head's ``norm`` and ``lm_head`` ``[K, D]`` over target ids ``arange(K) + d2t``
+        (no soft-capping, no quantized rows); other layouts draft through the target's LM head."""
+        if self.config.layout != "eagle3":
+            return tables
+        from dataclasses import replace
+
+        ids = torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+        return replace(tables, head=self.lm_head.weight.detach(), vocab=ids, softcap=None, quantized=None,
+                       prenorm=self.norm)
 
     def _finish(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual, output projection and MLP: ``h [..., n, D]``, ``attn [..., H, n, d]`` -> ``[..., n, D]``."""
@@ -174,12 +215,13 @@ class EagleHead(AttentionHead):
         on a CPU where that applies (:func:`~speculum.runners.packed.packed_linear`).
         Call again after the weights change."""
         self._fast = {
-            "fc": self.fast(self.fc.weight, bias=self.fc.bias),
             "qkv": self.fast(self.q.weight, self.k.weight, self.v.weight),
             "o": self.fast(self.o.weight),
             "gate_up": self.fast(self.gate.weight, self.up.weight),
             "down": self.fast(self.down.weight),
         }
+        if hasattr(self, "fc"):
+            self._fast["fc"] = self.fast(self.fc.weight, bias=self.fc.bias)
         if self.config.fuse_layers:
             self._fast["fuse"] = self.fast(self.fuse.weight)
         return self
@@ -212,8 +254,8 @@ class EagleHead(AttentionHead):
     def _drafting_layer(self, feats: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor, attend):
         """The drafting-time layer around ``attend(qkv [n, (H + 2 H_kv) d], (cos, sin)) -> [n, H d]``."""
         c, fast = self.config, self._fast
-        h = fast["fc"](torch.cat((embeds, feats), dim=-1))
-        qkv = fast["qkv"](F.rms_norm(h, (c.hidden,), self.input_norm.weight, c.eps) if self.normed_input else h)
+        h, x = self._attention_input(feats, embeds, fast.get("fc"))
+        qkv = fast["qkv"](x)
         h = h + fast["o"](attend(qkv, self.rope(positions, h.dtype)))
         gate, up = fast["gate_up"](F.rms_norm(h, (c.hidden,), self.post_norm.weight, c.eps)).chunk(2, dim=-1)
         return h + fast["down"](F.silu(gate) * up)

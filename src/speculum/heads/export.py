@@ -44,14 +44,19 @@ def _save(out: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
     return out
 
 
+# speculum's EAGLE head weights (``eagle1`` layout) -> EAGLE-1's and vLLM's ``EagleLlamaForCausalLM`` names
+# (read back by :mod:`~speculum.heads.published`)
+EAGLE_NAMES = {"fc.weight": "fc.weight", "q.weight": "layers.0.self_attn.q_proj.weight",
+               "k.weight": "layers.0.self_attn.k_proj.weight", "v.weight": "layers.0.self_attn.v_proj.weight",
+               "o.weight": "layers.0.self_attn.o_proj.weight",
+               "post_norm.weight": "layers.0.post_attention_layernorm.weight",
+               "gate.weight": "layers.0.mlp.gate_proj.weight", "up.weight": "layers.0.mlp.up_proj.weight",
+               "down.weight": "layers.0.mlp.down_proj.weight"}
+
+
 def eagle_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """speculum's EAGLE head weights (``eagle1`` layout) under vLLM's ``EagleLlamaForCausalLM`` names."""
-    names = {"fc.weight": "fc.weight", "q.weight": "layers.0.self_attn.q_proj.weight",
-             "k.weight": "layers.0.self_attn.k_proj.weight", "v.weight": "layers.0.self_attn.v_proj.weight",
-             "o.weight": "layers.0.self_attn.o_proj.weight", "post_norm.weight": "layers.0.post_attention_layernorm.weight",
-             "gate.weight": "layers.0.mlp.gate_proj.weight", "up.weight": "layers.0.mlp.up_proj.weight",
-             "down.weight": "layers.0.mlp.down_proj.weight"}
-    return {names[k]: v for k, v in state.items() if k in names}
+    return {EAGLE_NAMES[k]: v for k, v in state.items() if k in EAGLE_NAMES}
 
 
 def export_eagle(head_path: str | Path, target_config, out: str | Path) -> Path:
@@ -65,6 +70,8 @@ def export_eagle(head_path: str | Path, target_config, out: str | Path) -> Path:
     if c.layout != "eagle1":
         raise SpeculumError("this head has speculum's layout (an fc bias and an input norm that vLLM's EAGLE model "
                             "lacks): train one for export with `speculum train-draft --kind eagle --layout eagle1`")
+    if c.fc_bias:
+        raise SpeculumError("this head's fc has a bias, which vLLM's EAGLE model lacks")
     config = _target_dict(target_config)
     if config.get("hidden_size") != c.hidden:
         raise SpeculumError(f"the head is {c.hidden} wide, the target {config.get('hidden_size')}")

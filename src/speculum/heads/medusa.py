@@ -9,7 +9,8 @@ prediction, the paper's initialisation) whose output goes through the target's f
 
 Departure from the paper: the heads share the target's LM head (optionally trimmed to a draft
 vocabulary) instead of each owning a trained copy; a vocabulary-sized matrix per head would be
-larger than a small target's layers.
+larger than a small target's layers. Published heads (:mod:`~speculum.heads.published`) own theirs
+(``vocab``: ``lm_head [K, V, D]``).
 
 Shapes: ``D`` the target's hidden size, ``K`` the number of heads.
 """
@@ -32,6 +33,7 @@ class MedusaConfig:
     hidden: int  # D
     num_heads: int = 4  # K
     layers: int = 1  # residual blocks per head
+    vocab: int = 0  # V where every head has an LM head of its own (the paper's); 0: the target's, shared
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,6 +65,8 @@ class MedusaHeads(nn.Module):
         self.config = config
         self.heads = nn.ModuleList(nn.Sequential(*(ResBlock(config.hidden) for _ in range(config.layers)))
                                    for _ in range(config.num_heads))
+        if config.vocab:
+            self.lm_head = nn.Parameter(torch.zeros(config.num_heads, config.vocab, config.hidden))
 
     def forward(self, feats: torch.Tensor) -> torch.Tensor:
         """``feats [..., D]`` -> ``[..., K, D]``: head ``k``'s output (index ``k - 1``) predicts the
@@ -87,3 +91,9 @@ class MedusaHeads(nn.Module):
                 h = h + F.silu(lin(h))
             rows.append(h)
         return torch.cat(rows)
+
+    def draft_logits(self, feat: torch.Tensor, tables) -> torch.Tensor:
+        """Drafting: ``feat [D]`` -> every head's logits ``[K, V]``, through its own LM head, or
+        the target's (``tables``: :class:`~speculum.heads.TargetTables`, its draft vocabulary)."""
+        out = self.draft(feat)
+        return torch.bmm(out[:, None], self.lm_head.mT)[:, 0] if self.config.vocab else tables.logits(out)
