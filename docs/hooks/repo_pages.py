@@ -106,17 +106,22 @@ def gfm_blocks(markdown: str) -> str:
     - A bullet list, a list starting at ``1.``, or a table right after a paragraph line gets a blank line
       before it (GitHub lets them interrupt a paragraph; Python-Markdown does not), and so does whatever
       follows a table.
-    - Inside a list, indentation is doubled: GitHub nests what is indented under an item's text (2
-      spaces after ``- ``), Python-Markdown what is indented 4. Fenced code inside a list moves with its
-      fence.
+    - What a list item holds is re-indented to Python-Markdown's 4 spaces a level: GitHub nests what is
+      indented to the item's text (2 spaces after ``- ``, 3 after ``1. ``), Python-Markdown what is
+      indented 4 more than the item. Fenced code inside a list moves with its fence.
+    - An item after a block that an item holds below a blank line (a table, a second paragraph) gets a
+      blank line before it, or Python-Markdown reads it as that block's text.
     """
     out: list[str] = []
-    in_list, prev, fence, shift = False, "blank", None, 0
+    # open list items, outermost first: (column of the item's text in the source, the same in the output)
+    items: list[tuple[int, int]] = []
+    prev, fence, shift = "blank", None, 0
+    block = False  # inside a list item, a block after a blank line: the next item needs a blank line too
     for line in markdown.split("\n"):
         stripped = line.lstrip(" ")
         indent = len(line) - len(stripped)
         if fence is not None:  # inside fenced code: shifted as its fence was
-            out.append(" " * shift + line if line.strip() else line)
+            out.append(" " * shift + line if line.strip() and shift >= 0 else line)
             if stripped.startswith(fence) and not stripped.strip(fence[0]).strip():
                 fence = None
             continue
@@ -125,24 +130,39 @@ def gfm_blocks(markdown: str) -> str:
             prev = "blank"
             continue
         item = BULLET.match(stripped)
-        starts_block = (item and not stripped[0].isdigit()) or stripped.startswith(("1. ", "|"))
-        if indent == 0:
-            if item:
-                in_list = True
-            elif prev == "blank":
-                in_list = False
-            if (starts_block and prev == "text") or (prev == "table" and not stripped.startswith("|")):
+        if indent == 0 and not item and prev == "blank":
+            items, block = [], False  # a paragraph at the margin ends the list
+        if item:
+            while items and items[-1][0] > indent:
+                items.pop()
+            if items and indent < items[-1][0]:
+                items.pop()
+            if items and items[-1][0] <= indent:  # nested under the item still open
+                new_indent = items[-1][1]
+            else:
+                items, new_indent = [], 0
+            starts_block = not stripped[0].isdigit() or stripped.startswith("1. ")
+            if (new_indent == 0 and starts_block and prev == "text") or prev == "table" or (block and prev != "blank"):
                 out.append("")
-        shift = indent if in_list and indent else 0
+            block = False
+            items.append((indent + item.end(), new_indent + 4))
+        else:
+            if items and indent and prev == "blank":
+                block = True
+            holder = [c for c in items if c[0] <= indent]
+            if holder:
+                new_indent = holder[-1][1] + indent - holder[-1][0]
+            elif items and indent:
+                new_indent = items[0][1]  # under-indented text inside an item: its continuation
+            else:
+                new_indent = indent
+            if (stripped.startswith("|") and prev == "text" and not items) or (prev == "table" and not stripped.startswith("|")):
+                out.append("")
+        shift = new_indent - indent
         if stripped.startswith(("```", "~~~")):
             fence = stripped[:3]
-        out.append(" " * (indent + shift) + stripped)
-        if stripped.startswith("|"):
-            prev = "table"
-        elif item or in_list:
-            prev = "list"
-        else:
-            prev = "text"
+        out.append(" " * new_indent + stripped)
+        prev = "table" if stripped.startswith("|") else ("list" if items else "text")
     return "\n".join(out)
 
 
