@@ -101,8 +101,8 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
     lines = [
         "# CLI reference",
         "",
-        "Generated from the `speculum` argparse parser (`speculum.cli.build_parser`) each time the site is "
-        "built, so every subcommand and flag below is the code's. `speculum COMMAND --help` prints the same.",
+        ("Generated from the `speculum` argparse parser (`speculum.cli.build_parser`) each time the site is "
+         "built, so every subcommand and flag below is the code's. `speculum COMMAND --help` prints the same."),
         "",
         _escape(parser.description or ""),
         "",
@@ -114,9 +114,9 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
         "|---|---|",
         *[f"| [`{name}`](#speculum-{name}) | {_escape(summary)} |" for name, summary, _ in commands],
         "",
-        "Mistakes that speculum checks (an unknown model or method, a bad parameter, an empty prompt, ...) "
-        "print one line `speculum: error: ...` and exit with status 2; argparse's own (an unknown flag, a "
-        "missing value) print the usage and exit with status 2 too.",
+        ("Mistakes that speculum checks (an unknown model or method, a bad parameter, an empty prompt, ...) "
+         "print one line `speculum: error: ...` and exit with status 2; argparse's own (an unknown flag, a "
+         "missing value) print the usage and exit with status 2 too."),
         "",
     ]
     for name, summary, sub in commands:

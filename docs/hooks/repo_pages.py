@@ -92,7 +92,11 @@ def rewrite(markdown: str, src_uri: str, files, config) -> str:
             in_fence = not in_fence
         elif not in_fence:
             spans = [c.span() for c in re.finditer(r"`[^`]*`", line)]  # links inside code are text
-            line = LINK.sub(lambda m: m.group(0) if any(a < m.start() < b for a, b in spans) else fix(m), line)
+
+            def fix_outside_code(m: re.Match, spans=spans) -> str:
+                return m.group(0) if any(a < m.start() < b for a, b in spans) else fix(m)
+
+            line = LINK.sub(fix_outside_code, line)
         out.append(line)
     return "\n".join(out)
 
