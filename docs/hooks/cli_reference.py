@@ -53,7 +53,7 @@ def _default(action: argparse.Action) -> str:
         return "required"
     if action.default is None or action.default is argparse.SUPPRESS or action.nargs == 0:
         return ""
-    if isinstance(action.default, (list, tuple)) and not action.default:
+    if isinstance(action.default, (list, tuple, str)) and not action.default:
         return ""
     return f"`{action.default}`"
 
