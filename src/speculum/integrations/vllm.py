@@ -33,7 +33,7 @@ below a floor that rises with the batch are dropped (:meth:`BatchTracker.min_sco
 together draft at most ``SPECULUM_VLLM_DRAFT_BUDGET`` tokens a step, the likeliest kept.
 
 This module imports nothing of vLLM: it runs in vLLM's environment, where speculum is installed
-without its dependencies (vLLM pins another transformers): see the README, "vLLM".
+without its dependencies (vLLM pins another transformers): see docs/scale-out.md.
 """
 
 from __future__ import annotations
