@@ -214,6 +214,16 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(server, clien
                   400)["param"] == "best_of"
     assert _error(post("/completions", {"model": "smollm2", "prompt": "a", "best_of": 3, "stream": True}),
                   400)["param"] == "best_of"
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
+    assert _error(post("/chat/completions", {**chat, "tools": [bad_tool]}), 400)["param"] == "tools"
+    assert _error(post("/chat/completions", {**chat, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "fly"}}}), 400)["param"] == "tool_choice"
+    assert _error(post("/chat/completions", {**chat, "tool_choice": "required"}), 400)["param"] == "tool_choice"
+    assert _error(post("/chat/completions", {**chat, "tools": TOOLS + TOOLS[:1]}), 400)["param"] == "tools"
+    assert _error(post("/chat/completions", {**chat, "tools": [{"type": "function", "function": {"name": "a b"}}]}),
+                  400)["param"].startswith("tools")
+    assert _error(post("/chat/completions", {**chat, "tools": TOOLS, "response_format": {"type": "json_object"}}),
+                  400)["param"] == "tools"
     assert _error(post("/completions", {"model": "smollm2", "prompt": [5] * 9000}), 400)["code"] == \
         "context_length_exceeded"
     assert _error(post("/completions", {"model": "smollm2", "prompt": "hi", "max_tokens": 9000}), 400)["code"] == \
@@ -304,6 +314,71 @@ def test_n_choices_share_the_prefill_and_repeat_with_a_seed(server, client):
     ranked = sorted(every.choices, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
     assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
     assert best.choices[0].logprobs is None
+
+
+def _tool(name: str, properties: dict, required: list[str]) -> dict:
+    return {"type": "function", "function": {"name": name, "description": f"{name.replace('_', ' ')}",
+                                             "parameters": {"type": "object", "properties": properties,
+                                                            "required": required}}}
+
+
+TOOLS = [_tool("get_weather", {"city": {"type": "string", "maxLength": 24}, "unit": {"enum": ["C", "F"]}}, ["city"]),
+         _tool("add", {"a": {"type": "integer"}, "b": {"type": "integer"}}, ["a", "b"]),
+         _tool("search_web", {"query": {"type": "string", "maxLength": 40}}, ["query"]),
+         _tool("set_timer", {"minutes": {"type": "number", "minimum": 0, "maximum": 600}}, ["minutes"]),
+         _tool("send_email", {"to": {"type": "string", "maxLength": 30}, "subject": {"type": "string", "maxLength": 30}},
+               ["to", "subject"])]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASKS = ["What is the weather in Oslo?", "Add 17 and 25.", "Search the web for speculative decoding.",
+        "Set a timer for 10 minutes.", "Email bob@example.com that the meeting moved.", "Is it raining in Rome?",
+        "What is 3 plus 4?", "Find recipes for pancakes online.", "Remind me in 5 minutes.", "Write to ann@x.org."]
+
+
+def test_tool_calls_parse_against_their_schemas(server, client):
+    """``tools`` with ``tool_choice`` ``required``, streamed: 30 choices over 10 requests with 5 tools,
+    every call's arguments parse and match its function's schema; a named choice calls that function,
+    once without ``parallel_tool_calls``; the non-streamed reply carries the same calls; an earlier
+    call and its result are accepted as conversation."""
+    for k, ask in enumerate(ASKS):
+        calls: dict[int, list] = {}
+        finish = {}
+        for c in client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": ask}],
+                                                tools=TOOLS, tool_choice="required", temperature=0.7, seed=k, n=3,
+                                                max_tokens=100, stream=True):
+            for choice in c.choices:
+                calls.setdefault(choice.index, []).extend(choice.delta.tool_calls or [])
+                assert not choice.delta.content
+                finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+        # (a choice that calls again and again is closed validly by the budget closer: "length")
+        assert sorted(calls) == [0, 1, 2] and all(finish[i] in ("tool_calls", "length") for i in calls), (ask, finish)
+        for made in calls.values():
+            assert made and [c.index for c in made] == list(range(len(made)))
+            for call in made:
+                jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    named = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": ASKS[0]}],
+                                           tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+                                           parallel_tool_calls=False, temperature=0, max_tokens=160)
+    message = named.choices[0].message
+    assert message.content is None and named.choices[0].finish_reason == "tool_calls"
+    assert [c.function.name for c in message.tool_calls] == ["add"] and message.tool_calls[0].id.startswith("call_")
+    jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), SCHEMAS["add"])
+    follow_up = [{"role": "user", "content": ASKS[0]},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": "call_1", "type": "function",
+                      "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 3, "unit": "C"}'}]
+    answer = client.chat.completions.create(model="smollm2", messages=follow_up, tools=TOOLS, tool_choice="none",
+                                            temperature=0, max_tokens=12)
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    for ask in ("Say hello to Ann.", ASKS[1]):  # auto: text or calls, the stream the same as the whole
+        kw = {"model": "smollm2", "messages": [{"role": "user", "content": ask}], "tools": TOOLS,
+              "tool_choice": "auto", "temperature": 0, "max_tokens": 48}
+        whole = client.chat.completions.create(**kw).choices[0]
+        chunks = [c.choices[0] for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+        assert "".join(c.delta.content or "" for c in chunks) == (whole.message.content or "")
+        assert [t.function.arguments for c in chunks for t in c.delta.tool_calls or []] == \
+            [t.function.arguments for t in whole.message.tool_calls or []]
+        assert chunks[-1].finish_reason == whole.finish_reason
 
 
 @pytest.mark.parametrize("method", ["ar", "ngram"])

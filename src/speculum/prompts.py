@@ -9,15 +9,17 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+def encode_messages(tokenizer, messages: list[dict], **template_kwargs) -> list[int]:
     """Token ids of chat ``messages`` (``[{"role", "content"}, ...]``) through the tokenizer's chat
-    template, with the assistant's turn opened. :class:`SpeculumError` when the tokenizer has no
-    template or the template rejects the messages."""
+    template, with the assistant's turn opened (``template_kwargs``: more for the template, e.g.
+    ``tools``). :class:`SpeculumError` when the tokenizer has no template or the template rejects
+    the messages."""
     if not has_chat_template(tokenizer):
         raise SpeculumError("this model's tokenizer has no chat template: send raw text (--no-chat, or "
                             "/v1/completions on the server)")
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                            **template_kwargs)
     except Exception as e:  # noqa: BLE001 - templates raise anything (jinja errors) on odd input
         raise SpeculumError(f"the chat template rejected the messages: {e}") from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):

@@ -40,6 +40,7 @@ from .limits import RequestLimits, check_constraint_size, load_json
 from .metrics import Metrics
 from .model_state import SERVABLE_METHODS, ModelState
 from .protocol import APIError, ChatCompletionRequest, CommonParams, CompletionRequest
+from .tools import TOOL_CLOSE_RESERVE, CallStream, ToolSet, render_messages
 from .worker import Job, QueueFull, Worker
 
 # OpenAI's finish reasons; the budget closer ended a cut-off output validly
@@ -187,19 +188,23 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await _parse(request, ChatCompletionRequest)
+        tools = ToolSet.of(req.tools, req.tool_choice, req.parallel_tool_calls)
         try:
-            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            messages = [{"role": m.role, "content": m.text(),
+                         **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {}),
+                         **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {})} for m in req.messages]
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
+        messages, template_kwargs = render_messages(messages, tools, state.tokenizer)
         try:
-            ids = await state.off_loop(encode_messages, state.tokenizer, messages)
+            ids = await state.off_loop(functools.partial(encode_messages, **template_kwargs), state.tokenizer, messages)
         except SpeculumError as e:
             raise APIError(str(e), param="messages") from None
         if req.max_completion_tokens is not None:
             if req.max_completion_tokens <= 0:
                 raise APIError("max_completion_tokens must be at least 1", param="max_completion_tokens")
             req.max_tokens = req.max_completion_tokens
-        return await _serve(request, req, list(ids), chat=True)
+        return await _serve(request, req, list(ids), chat=True, tools=tools)
 
     async def _parse(request: Request, model_cls):
         body = await state.off_loop(load_json, await request.body(), state.limits)
@@ -214,7 +219,7 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
             raise APIError(f"invalid value for {param}: {msg}" if param else msg, param=param,
                            code="invalid_value") from None
 
-    async def _serve(request: Request, req: CommonParams, ids: list[int], chat: bool):
+    async def _serve(request: Request, req: CommonParams, ids: list[int], chat: bool, tools: ToolSet | None = None):
         n, best_of = req.n, getattr(req, "best_of", None) or req.n
         for param, count in (("n", n), ("best_of", best_of)):
             if count > state.limits.max_n:
@@ -228,7 +233,8 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
             raise APIError(f"{best_of} choices do not fit in this server's queue (--max-queue "
                            f"{state.worker.max_queue})", param="best_of" if best_of > n else "n")
         job = await _make_job(req, ids, state.tenant(request.scope["state"].get("api_key_index"), req.cache_salt),
-                              rank=best_of > n)
+                              rank=best_of > n, tools=tools)
+        calls = tools is not None and tools.choice != "none"  # the output is read as text or calls
         jobs = job.choices(best_of)
         try:
             state.worker.submit(*jobs)
@@ -238,7 +244,7 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream(request, jobs, rid, chat, include_usage),
+            return StreamingResponse(_stream(request, jobs, rid, chat, include_usage, calls),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         results: dict[int, object] = {}
@@ -262,11 +268,12 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
             chosen = [r if req.logprob_count() is not None else dataclasses.replace(r, logprobs=None)
                       for r in sorted(chosen, key=total, reverse=True)[:n]]
         request.scope["state"]["completion_tokens"] = sum(r.new_tokens for r in results.values())
-        return JSONResponse(_response(rid, chat, state.model_name, chosen, job.method, state.tokenizer))
+        return JSONResponse(_response(rid, chat, state.model_name, chosen, job.method, state.tokenizer, calls))
 
-    async def _make_job(req: CommonParams, ids: list[int], tenant: str, rank: bool = False) -> Job:
+    async def _make_job(req: CommonParams, ids: list[int], tenant: str, rank: bool = False,
+                        tools: ToolSet | None = None) -> Job:
         """Choice 0 of ``req``'s completion (``rank``: its sampled tokens' log-probabilities are
-        kept, to rank ``best_of`` choices)."""
+        kept, to rank ``best_of`` choices; ``tools``: its calls follow their grammar)."""
         if req.model not in (None, "", state.model_name, "default"):
             raise APIError(f"the model {req.model!r} does not exist; this server serves {state.model_name!r}",
                            404, code="model_not_found", param="model")
@@ -306,7 +313,7 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
                                       repetition_penalty=req.repetition_penalty,
                                       frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
                                       logprobs=logprobs, logprobs_mode=opts.logprobs_mode if opts else "raw")
-            grammar = await state.off_loop(_grammar, req, timeout=state.limits.compile_timeout_s,
+            grammar = await state.off_loop(_grammar, req, tools, timeout=state.limits.compile_timeout_s,
                                            pool=state.compile_pool)
         except SpeculumError as e:
             raise APIError(str(e), param="response_format") from None
@@ -316,7 +323,7 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
         return Job(method, ids, max_tokens, sampling, req.stop_list(), req.seed, grammar, asyncio.get_running_loop(),
                    tenant=tenant, kv=kv)
 
-    def _grammar(req: CommonParams) -> Grammar | None:
+    def _grammar(req: CommonParams, tools: ToolSet | None) -> Grammar | None:
         rf, opts = req.response_format, req.speculum
         schema, strict = None, True
         if rf is not None and rf.type == "json_schema":
@@ -329,44 +336,65 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
                                grammar=opts.grammar if opts else None,
                                names="response_format, speculum.regex, speculum.choice or speculum.grammar")
         close_reserve = opts.close_reserve if opts is not None else 0
+        calls = tools.grammar() if tools is not None else None
+        if calls is not None:
+            if spec is not None:
+                raise APIError("tools (unless tool_choice is none) cannot be combined with response_format or "
+                               "speculum's constraints", param="tools")
+            try:
+                return compile_constraint(calls, state.tokenizer, state.vocab_size, state.eos_ids,
+                                          close_reserve or TOOL_CLOSE_RESERVE)
+            except SpeculumError as e:
+                raise APIError(f"a tool's parameters are not a usable JSON schema: {e}", param="tools") from None
         if close_reserve and spec is None:
             raise SpeculumError("speculum.close_reserve needs a constraint (response_format, regex, choice or grammar)")
         if spec is None:
             return None
         return compile_constraint(spec, state.tokenizer, state.vocab_size, state.eos_ids, close_reserve)
 
-    async def _stream(request: Request, jobs: list[Job], rid: str, chat: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(request: Request, jobs: list[Job], rid: str, chat: bool, include_usage: bool,
+                      calls: bool = False) -> AsyncIterator[str]:
         texts = [StreamingText(state.tokenizer, job.stop) for job in jobs]
+        outputs = [CallStream() if calls else None for _ in jobs]  # text or tool calls, per choice
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(i: int, delta: str | None, finish: str | None, first: bool = False, logprobs=None) -> str:
+        def chunk(i: int, delta: str | None, finish: str | None = None, first: bool = False, logprobs=None,
+                  tool_calls: list | None = None) -> str:
             lp = None if not logprobs else _logprobs(logprobs, chat, state.tokenizer)
             if chat:
                 d = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
+                if tool_calls:
+                    d["tool_calls"] = tool_calls
                 choice = {"index": i, "delta": d, "finish_reason": finish, "logprobs": lp}
             else:
                 choice = {"index": i, "text": delta or "", "finish_reason": finish, "logprobs": lp}
             return _sse({"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [choice]})
 
+        def deltas(i: int, text: str, logprobs=None, final: bool = False):
+            """The chunks for choice ``i``'s next ``text`` (read as content or calls)."""
+            new_calls = []
+            if outputs[i] is not None:
+                text, new_calls = outputs[i].add(text, final)
+            if text or logprobs or new_calls:  # (a chunk's logprobs go out with it, its text held back or not)
+                yield chunk(i, text, logprobs=logprobs, tool_calls=new_calls)
+
         results: dict[int, object] = {}
         try:
             if chat:
                 for job in jobs:
-                    yield chunk(job.index, None, None, first=True)
+                    yield chunk(job.index, None, first=True)
             async for i, kind, value in _events(request, jobs):
                 if kind == "tokens":
                     ids, logprobs = value
-                    delta = texts[i].add(ids)
-                    if delta or logprobs:  # (a chunk's logprobs go out with it, its text held back or not)
-                        yield chunk(i, delta, None, logprobs=logprobs)
+                    for out in deltas(i, texts[i].add(ids), logprobs):
+                        yield out
                 elif kind == "done":
                     results[i] = value
-                    rest = texts[i].finish(value.text)
-                    if rest:
-                        yield chunk(i, rest, None)
-                    yield chunk(i, None, FINISH[value.finish_reason])
+                    for out in deltas(i, texts[i].finish(value.text), final=True):
+                        yield out
+                    called = outputs[i] is not None and outputs[i].calls > 0
+                    yield chunk(i, None, _finish(value, called))
                     if len(results) < len(jobs):
                         continue
                     request.scope["state"]["completion_tokens"] = sum(r.new_tokens for r in results.values())
@@ -421,17 +449,29 @@ def _usage(results: list) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _response(rid: str, chat: bool, model_name: str, results: list, method: str, tokenizer) -> dict:
-    """The non-streamed body of a request whose choices ended with ``results``."""
+def _finish(result, called: bool) -> str:
+    """OpenAI's finish reason of a choice (``called``: its output was tool calls)."""
+    finish = FINISH[result.finish_reason]
+    return "tool_calls" if called and finish == "stop" else finish
+
+
+def _response(rid: str, chat: bool, model_name: str, results: list, method: str, tokenizer,
+              calls: bool = False) -> dict:
+    """The non-streamed body of a request whose choices ended with ``results`` (``calls``: outputs
+    are read as text or tool calls)."""
     choices = []
     for i, result in enumerate(results):
-        finish = FINISH[result.finish_reason]
         logprobs = None if result.logprobs is None else _logprobs(result.logprobs, chat, tokenizer)
         if chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": result.text},
-                            "finish_reason": finish, "logprobs": logprobs})
+            content, tool_calls = CallStream().add(result.text, final=True) if calls else (result.text, [])
+            message = {"role": "assistant", "content": content or (None if tool_calls else "")}
+            if tool_calls:
+                message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in tool_calls]
+            choices.append({"index": i, "message": message, "finish_reason": _finish(result, bool(tool_calls)),
+                            "logprobs": logprobs})
         else:
-            choices.append({"index": i, "text": result.text, "finish_reason": finish, "logprobs": logprobs})
+            choices.append({"index": i, "text": result.text, "finish_reason": FINISH[result.finish_reason],
+                            "logprobs": logprobs})
     stats = [r.to_dict() for r in results]
     total = lambda key: sum(s[key] for s in stats)
     forwards = sum(r.forwards for r in results)

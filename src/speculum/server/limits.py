@@ -53,7 +53,8 @@ def load_json(raw: bytes, limits: RequestLimits):
 
 
 def check_constraint_size(req: CommonParams, limits: RequestLimits) -> None:
-    """A 400 for a regex, grammar, schema or choice list over the limits (before compiling it)."""
+    """A 400 for a regex, grammar, schema, choice list or tools' schemas over the limits (before
+    compiling them)."""
     opts, rf = req.speculum, req.response_format
     sizes = {}
     if opts is not None:
@@ -66,6 +67,9 @@ def check_constraint_size(req: CommonParams, limits: RequestLimits) -> None:
                 raise APIError(f"speculum.choice has {len(opts.choice)} options; the limit is {limits.max_choices}",
                                param="speculum.choice", code="grammar_too_large")
             sizes["speculum.choice"] = sum(len(c.encode()) for c in opts.choice)
+    tools = getattr(req, "tools", None)
+    if tools:
+        sizes["tools"] = sum(len(json.dumps(t.function.parameters or {})) for t in tools)
     if rf is not None and rf.json_schema is not None and rf.json_schema.schema_ is not None:
         sizes["response_format.json_schema"] = len(json.dumps(rf.json_schema.schema_))
     for param, size in sizes.items():

@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as OpenAI does (``user``, ``metadata``, ``store``, ``service_tier``
 and the like change nothing here); known fields of the wrong type or out of range are 400 errors
-naming the field. Features the server does not implement (``logit_bias``, ``suffix``, ``echo``, tools) are refused with a clear 400 rather than silently
+naming the field. Features the server does not implement (``logit_bias``, ``suffix``, ``echo``, the deprecated ``functions``) are refused with a clear 400 rather than silently
 ignored; so is an unknown key inside ``speculum``. ``n`` choices (up to the server's ``--max-n``)
 share the prompt's prefill and decode in one batch, choice ``i`` seeded with ``seed + i``;
 completions' ``best_of`` samples that many and returns the ``n`` of highest total
@@ -11,11 +11,13 @@ log-probability (not streamed, as OpenAI). ``logprobs`` (chat: a bool with
 accepted each token, from the model's own distribution unless ``speculum.logprobs_mode`` is
 ``"processed"``; streamed, each chunk carries its tokens'. ``presence_penalty`` and ``frequency_penalty``
 (OpenAI's, in [-2, 2]) and ``repetition_penalty`` (vLLM's extra field) are applied
-(:mod:`speculum.penalties`).
+(:mod:`speculum.penalties`). ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are OpenAI's
+(:mod:`.tools`).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -164,10 +166,59 @@ class CompletionRequest(CommonParams):
         return self.logprobs
 
 
+MAX_TOOLS = 128
+
+
+class FunctionDef(BaseModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (None: no arguments)
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+    @field_validator("arguments")
+    @classmethod
+    def _json(cls, v):
+        """The arguments as OpenAI sends them (JSON text), read back."""
+        if isinstance(v, dict):
+            return v
+        try:
+            return json.loads(v)
+        except json.JSONDecodeError:
+            raise ValueError("a tool call's arguments must be JSON") from None
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -185,8 +236,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(CommonParams):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     best_of: int | None = None
 
@@ -202,6 +254,4 @@ class ChatCompletionRequest(CommonParams):
             raise ValueError("logprobs must be true or false")
         return self.top_logprobs or 0
 
-    _no_tools = refuse_set("tools", "tools are not supported")
-    _no_tool_choice = refuse_set("tool_choice", "tools are not supported")
-    _no_functions = refuse_set("functions", "functions are not supported")
+    _no_functions = refuse_set("functions", "functions (deprecated) are not supported: use tools")
