@@ -23,7 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from .figures import save, subplots
 from .models import cache_dir, write_atomic
 from .tree import DraftTree
 from .tree_sizing import CostModel, best_size
@@ -72,11 +74,8 @@ def measure(runner, token_counts=TOKEN_COUNTS, contexts=None, repeats: int = REP
     contexts = [c for c in (contexts or CONTEXTS) if c <= limit] or [max(1, min(64, limit))]
     rng = random.Random(0)
     vocab = min(runner.vocab_size, 32000)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(contexts) * (repeats + 1) * len(token_counts), desc="calibrating", unit="fwd")
+    bar = tqdm(total=len(contexts) * (repeats + 1) * len(token_counts), desc="calibrating", unit="fwd",
+               disable=not progress)
     seconds = []
     for ctx in contexts:
         cache = runner.new_cache(ctx + max(token_counts) + 1)
@@ -91,11 +90,9 @@ def measure(runner, token_counts=TOKEN_COUNTS, contexts=None, repeats: int = REP
                 if rep:
                     times[n].append(time.perf_counter() - t0)
                 cache.pending = 0
-                if bar is not None:
-                    bar.update()
+                bar.update()
         seconds.append([statistics.median(times[n]) for n in token_counts])
-    if bar is not None:
-        bar.close()
+    bar.close()
     cost = CostModel(list(token_counts), contexts, seconds)
     if runner.batched_forward:
         cost.sequences, cost.rows, cost.batch_context = list(BATCH_SIZES), list(BATCH_ROWS), BATCH_CONTEXT
@@ -113,11 +110,7 @@ def measure_batches(runner, rng: random.Random, vocab: int, repeats: int = REPEA
     for c in caches:
         runner.prefill(c, [rng.randrange(vocab) for _ in range(ctx)])
     times = {(b, r): [] for b in BATCH_SIZES for r in BATCH_ROWS}
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(times) * (repeats + 1), desc="calibrating batches", unit="fwd")
+    bar = tqdm(total=len(times) * (repeats + 1), desc="calibrating batches", unit="fwd", disable=not progress)
     for rep in range(repeats + 1):  # repetition 0 is the warm-up
         for (b, r), spent in times.items():
             trees = [DraftTree.chain([rng.randrange(vocab) for _ in range(r - 1)]) for _ in range(b)]
@@ -129,10 +122,8 @@ def measure_batches(runner, rng: random.Random, vocab: int, repeats: int = REPEA
                 spent.append(time.perf_counter() - t0)
             for c in caches[:b]:
                 c.pending = 0
-            if bar is not None:
-                bar.update()
-    if bar is not None:
-        bar.close()
+            bar.update()
+    bar.close()
     for c in caches:
         pool.release(c)
     return [[statistics.median(times[b, r]) for r in BATCH_ROWS] for b in BATCH_SIZES]
@@ -229,12 +220,7 @@ def plot(curves: dict[str, CostModel], path: str | Path) -> None:
     """Left: forward time against tree tokens, one line per (label, context). Middle: the same
     relative to one token (what the sizer trades against acceptance). Right: expected tokens per
     second against drafted nodes for :data:`REFERENCE_SCORES`, the chosen budget marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, mid, right) = plt.subplots(1, 3, figsize=(15, 4))
+    fig, (left, mid, right) = subplots(1, 3, figsize=(15, 4))
     for k, (label, cost) in enumerate(curves.items()):
         color = f"C{k}"
         for j, ctx in enumerate(cost.contexts):
@@ -262,6 +248,4 @@ def plot(curves: dict[str, CostModel], path: str | Path) -> None:
     right.set_ylabel("expected tokens / second")
     right.set_title("reference tree: node i accepted w.p. 0.8 * 0.93^i")
     right.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

@@ -164,11 +164,7 @@ class Engine:
         return int(torch.randint(0, 1 << 62, (), generator=generator))
 
     def _validate(self, prompt: list[int], max_new_tokens: int) -> None:
-        if not prompt:
-            raise SpeculumError("the prompt is empty")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise SpeculumError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-        check_prompt_fits(len(prompt), self.runner.max_positions)
+        check_request(prompt, max_new_tokens, self.runner.max_positions)
         vocab = self.runner.vocab_size
         if min(prompt) < 0 or max(prompt) >= vocab:
             raise SpeculumError(f"prompt token ids must lie in [0, {vocab})")
@@ -367,6 +363,16 @@ def step(decodings: Sequence[Decoding], sizer: TreeSizer | None = None,
         d.chunk_done(len(ids), t_c - t_b, o.hidden)
     return [d.advance(t, o.logits, t_b - t_a, t_c - t_b, o.hidden, o.prompt_logits)
             for d, t, o in zip(decodings, trees, outs)]
+
+
+def check_request(prompt: list[int], max_new_tokens: int, max_positions: int) -> None:
+    """Raise :class:`SpeculumError` for an empty ``prompt``, a ``max_new_tokens`` that is not a positive
+    integer, or a prompt that leaves no room in the context."""
+    if not prompt:
+        raise SpeculumError("the prompt is empty")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise SpeculumError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+    check_prompt_fits(len(prompt), max_positions)
 
 
 def check_prompt_fits(prompt_tokens: int, max_positions: int) -> None:

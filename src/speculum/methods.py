@@ -31,7 +31,7 @@ from .calibrate import calibration_key, load_or_measure
 from .constrain.matcher import compile_constraint
 from .drafters import DRAFTERS
 from .drafters.draft_model import check_same_tokenizer, same_tokenizer
-from .engine import Engine, GenerationResult, default_eos_ids
+from .engine import Engine, GenerationResult, check_prompt_fits, check_request, default_eos_ids
 from .errors import SpeculumError
 from .result import FinishReason
 from .runners import Runner, runner_for, under_policy, weights_released
@@ -233,8 +233,6 @@ class LlamaCppMethod:
 
     def run(self, prompt_ids, max_new_tokens=128, sampling=None, stop=(), seed=None, on_tokens=None,
             grammar=None):
-        from .engine import check_prompt_fits
-
         sampling = sampling or SamplingParams()
         if not sampling.greedy or sampling.repetition_penalty != 1.0 or sampling.frequency_penalty \
                 or sampling.presence_penalty or sampling.logprobs is not None:
@@ -243,11 +241,7 @@ class LlamaCppMethod:
         if grammar is not None:
             self.compile(grammar)
         prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise SpeculumError("the prompt is empty")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise SpeculumError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-        check_prompt_fits(len(prompt), self.max_length)
+        check_request(prompt, max_new_tokens, self.max_length)
         llm = self._context(len(prompt) + max_new_tokens)
         stops = Stops(self.tokenizer, self.eos_ids, stop, max_new_tokens, self._n_ctx)
         generated, tokens, reason = [], list(prompt), None
@@ -383,7 +377,6 @@ def load_checked(model_name: str, methods: Sequence[str], draft_name: str | None
     configurations reveal (an unknown method, a missing or incompatible draft model, a prompt longer
     than the context) are caught before it, so their one-line error is all the user sees.
     """
-    from .engine import check_prompt_fits
     from .loading import load, resolve_weights
     from .models import context_length, load_tokenizer_and_config, parse_dtype
     from .prompts import encode_prompt

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from .tree import DraftTree
 
@@ -88,9 +88,7 @@ class CostModel:
         return _interp(self.tokens, self.seconds[j], n)
 
     def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "contexts": self.contexts, "seconds": self.seconds,
-                "sequences": self.sequences, "rows": self.rows, "batch_context": self.batch_context,
-                "batch_seconds": self.batch_seconds}
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:

@@ -130,33 +130,28 @@ class Batcher:
             for r, ids in chunks:  # prefill on its own
                 self._prefill(r, ids)
             chunks = []
-        if ready or chunks:
-            try:
-                news = step([r.decoding for r in ready], self.sizer, [(r.decoding, ids) for r, ids in chunks])
-            except Exception as e:  # noqa: BLE001 - a failed forward fails the requests in it, not the loop
-                for r in ready + [r for r, _ in chunks]:
-                    self._fail(r, e)
-                self._retire()
-                return
-            for r, _ in chunks:
-                self._prefilled(r)
-            self._deliver(ready, news)
+        if (ready or chunks) and not self._step(ready, chunks):
+            self._retire()
+            return
+        for r, _ in chunks:
+            self._prefilled(r)
         for runner in dict.fromkeys(r.engine.runner for r in side):
-            group = [r for r in side if r.engine.runner is runner]
-            try:
-                news = step([r.decoding for r in group], self.sizer)
-            except Exception as e:  # noqa: BLE001 - as above
-                for r in group:
-                    self._fail(r, e)
-                continue
-            self._deliver(group, news)
+            self._step([r for r in side if r.engine.runner is runner])
         self._retire()
 
-    @staticmethod
-    def _deliver(requests: list[BatchRequest], news: list[list[int]]) -> None:
+    def _step(self, requests: list[BatchRequest], chunks: list[tuple[BatchRequest, list[int]]] = ()) -> bool:
+        """One :func:`~speculum.engine.step` over ``requests`` (and prompt ``chunks`` riding along),
+        each request's new tokens delivered; False where the forward failed, failing the requests in it."""
+        try:
+            news = step([r.decoding for r in requests], self.sizer, [(r.decoding, ids) for r, ids in chunks])
+        except Exception as e:  # noqa: BLE001 - a failed forward fails the requests in it, not the loop
+            for r in requests + [r for r, _ in chunks]:
+                self._fail(r, e)
+            return False
         for r, new in zip(requests, news):
             if new and r.on_tokens is not None:
                 r.on_tokens(new)
+        return True
 
     def _prefill_side(self, r: BatchRequest) -> None:
         """Prefill a side runner's request whole, in a forward of its own (a KV policy builds its

@@ -29,6 +29,7 @@ from ..drafters.ar import AutoregressiveDrafter
 from ..drafters.kv_draft import KVDraftDrafter, kv_draft_options
 from ..engine import Engine
 from ..errors import SpeculumError
+from ..figures import save, subplots
 from ..kv import Budget, make_policy
 from ..process_memory import return_freed_memory
 from ..prompts import has_chat_template
@@ -278,13 +279,8 @@ def budget_fraction(row: dict, full_bytes: int | None) -> float:
 
 def accuracy_plot(rows: list[dict], path: str | Path) -> None:
     """Accuracy (all tasks) against the KV budget, one line per policy, one panel per length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     lengths = sorted({r["length"] for r in rows})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(4.8 * len(lengths), 3.8), squeeze=False)
+    fig, axes = subplots(1, len(lengths), figsize=(4.8 * len(lengths), 3.8), squeeze=False)
     for ax, length in zip(axes[0], lengths):
         here = [r for r in rows if r["length"] == length and r["task"] == "all"]
         full = next((r for r in here if r["policy"] == "full"), None)
@@ -298,9 +294,7 @@ def accuracy_plot(rows: list[dict], path: str | Path) -> None:
         ax.set_ylim(-5, 105)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def write_outputs(out_dir: str | Path, records: list[LongRecord], meta: dict) -> list[dict]:

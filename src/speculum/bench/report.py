@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..figures import save, subplots
+
 
 def _fmt(x, digits=2, suffix=""):
     return "–" if x is None else f"{x:.{digits}f}{suffix}"
@@ -42,15 +44,10 @@ def markdown_table(results: dict) -> str:
 
 def speedup_plot(results: dict, path: str | Path) -> None:
     """Grouped bars: one group per task (and overall), one bar per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     methods = results["methods"]
     ref = "speedup_vs_hf" if "hf" in methods else "speedup_vs_ar"
     tasks = list(dict.fromkeys(t for e in methods.values() for t in e["by_task"])) + ["overall"]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(tasks) + 2), 4))
+    fig, ax = subplots(figsize=(max(6.0, 1.3 * len(tasks) + 2), 4))
     width = 0.8 / max(1, len(methods))
     for j, (name, entry) in enumerate(methods.items()):
         vals = []
@@ -64,6 +61,4 @@ def speedup_plot(results: dict, path: str | Path) -> None:
     ax.set_ylabel(ref.replace("_", " "))
     ax.set_title(f"{results.get('model')} ({results.get('dtype')})")
     ax.legend(fontsize=8, ncols=min(4, len(methods)))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

@@ -31,7 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Self
 
+from tqdm import tqdm
+
 from ..errors import SpeculumError
+from ..figures import save, subplots
 from .data import Prompt
 
 SYSTEM_PROMPT = ("You are a helpful, careful assistant. Answer the user's request directly and accurately, "
@@ -119,9 +122,9 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def run_level(client, model: str, prompts: list[Prompt], concurrency: int, requests: int,
-              max_tokens: int, progress=None, offset: int = 0) -> dict:
+              max_tokens: int, progress, offset: int = 0) -> dict:
     """``requests`` requests from ``concurrency`` threads (prompts ``offset ..`` of ``prompts``,
-    wrapping); the summary of one table row."""
+    wrapping), each ticking the ``progress`` bar; the summary of one table row."""
     lock, nxt, out = threading.Lock(), [0], []
 
     def worker() -> None:
@@ -134,8 +137,7 @@ def run_level(client, model: str, prompts: list[Prompt], concurrency: int, reque
             r = _one(client, model, _messages(prompts[(offset + i) % len(prompts)], i), max_tokens)
             with lock:
                 out.append(r)
-                if progress is not None:
-                    progress.update()
+                progress.update()
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -182,17 +184,12 @@ def run_serving(url: str, model: str, prompts: list[Prompt], levels: list[int], 
     warm = _one(client, model, _messages(prompts[0], 1), max_tokens)
     if not warm["ok"]:
         raise SpeculumError(f"the warm-up request failed: {warm['error']}")
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=requests * len(levels), desc="serving", unit="req")
+    bar = tqdm(total=requests * len(levels), desc="serving", unit="req", disable=not progress)
     # each level its own prompts (as far as the data goes): a server that caches whole prompts
     # must not answer a level from what the previous one sent
     rows = [run_level(client, model, prompts, c, requests, max_tokens, bar, offset=1 + k * requests)
             for k, c in enumerate(levels)]
-    if bar is not None:
-        bar.close()
+    bar.close()
     prefix = shared_prefix(client, model, system_tokens, prefix_requests, max_tokens) \
         if system_tokens > 0 and prefix_requests > 0 else None
     return {"rows": rows, "shared_prefix": prefix}
@@ -245,12 +242,7 @@ def write_serving(out_dir: str | Path, label: str, run: dict, meta: dict, includ
 
 def plot_serving(runs: dict[str, dict], path: Path) -> None:
     """Left: total tok/s against clients; right: p99 time to first token against clients."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = subplots(1, 2, figsize=(11, 4))
     for label, run in runs.items():
         xs = [r["concurrency"] for r in run["rows"]]
         left.plot(xs, [r["tok_s"] for r in run["rows"]], marker="o", label=label)
@@ -264,6 +256,4 @@ def plot_serving(runs: dict[str, dict], path: Path) -> None:
     for ax in (left, right):
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path)

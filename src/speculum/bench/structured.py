@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -265,20 +266,13 @@ def summarize_structured(records: list[StructuredRecord], methods: list[str]) ->
 
 def markdown(summary: dict, cov: list[dict], used: list[SchemaCase], meta: dict) -> str:
     ok = sum(r["ok"] for r in cov)
-    by_set: dict[str, list[int]] = {}
-    for r in cov:
-        s = by_set.setdefault(r["dataset"], [0, 0])
-        s[0] += r["ok"]
-        s[1] += 1
-    feats: dict[str, int] = {}
-    for c in used:
-        for f in features(c.schema):
-            feats[f] = feats.get(f, 0) + 1
+    total, compiled = Counter(r["dataset"] for r in cov), Counter(r["dataset"] for r in cov if r["ok"])
+    feats = Counter(f for c in used for f in features(c.schema))
     closer = f"in the last {meta['close_reserve']} tokens" if meta.get("close_reserve") else "off"
     lines = [(f"Model `{meta.get('model')}`, dtype {meta.get('dtype')}, greedy, max {meta.get('max_new_tokens')} new "
              f"tokens, {len(used)} schemas, budget closer {closer}."), "",
              f"Coverage (strict mode): {ok} of {len(cov)} schemas compile "
-             + "(" + ", ".join(f"{k} {v[0]}/{v[1]}" for k, v in by_set.items()) + ").", ""]
+             + "(" + ", ".join(f"{k} {compiled[k]}/{v}" for k, v in total.items()) + ").", ""]
     refused = [r for r in cov if not r["ok"]]
     if refused:
         lines += ["Refused:", ""] + [f"- `{r['id']}`: {r['error']}" for r in refused] + [""]

@@ -132,7 +132,7 @@ class Grammar:
             OpenAI's API does. ``N > 0``: the budget closer. Each of the model's tokens among the
             last ``N`` of the budget is kept only if the grammar can still be completed within the
             budget after it (:meth:`TokenMatcher.close_within`); otherwise the grammar's
-            shortest-effort completion (:meth:`TokenMatcher.closing_path`) ends the output, valid
+            shortest-effort completion (:meth:`TokenMatcher._close`) ends the output, valid
             (finish reason ``"closed"``). The rule depends only on the grammar state and the
             model's greedy tokens, so every method closes an output at the same token.
     """
@@ -271,21 +271,13 @@ class TokenMatcher:
             raise SpeculumError("the constraint allows no token here (the grammar cannot be completed)")
         return out
 
-    def closing_path(self, limit: int) -> list[int] | None:
-        """The shortest-effort completion from this state, end-of-sequence token included, or None if
-        none is found within ``limit`` tokens. Deterministic and model-free: forced tokens, else the
-        first allowed closer candidate (closing tokens, a comma, short values), else the lowest
-        allowed id."""
-        if self.closer is None:
-            raise RuntimeError("the grammar was compiled without close_reserve")
-        path, _ = self._close(self.m.deep_copy(), self.string_state, limit)
-        return path
-
     def _close(self, m, state: tuple[bool, bool], limit: int) -> tuple[list[int] | None, bool]:
-        """:meth:`closing_path` from matcher ``m`` (consumed) in JSON string ``state``. Returns
-        ``(path or None, stuck)``: ``stuck`` when the walk gave up because its fallback kept
-        picking one token (inside a ``format`` or ``pattern`` string it cannot finish), so that no
-        completion was found for a reason other than the budget."""
+        """The shortest-effort completion from matcher ``m`` (consumed) in JSON string ``state``,
+        end-of-sequence token included, within ``limit`` tokens. Deterministic and model-free: forced
+        tokens, else the first allowed closer candidate (closing tokens, a comma, short values), else
+        the lowest allowed id. Returns ``(path or None, stuck)``: ``stuck`` when the walk gave up
+        because its fallback kept picking one token (inside a ``format`` or ``pattern`` string it
+        cannot finish), so that no completion was found for a reason other than the budget."""
         path: list[int] = []
         fallback_run = 0
         while len(path) < limit:
@@ -334,7 +326,7 @@ class TokenMatcher:
         ``path`` instead of ``tokens[i:]``, because after ``tokens[i]`` the grammar could no longer
         be completed within the budget. A token is kept when the last completion found still
         completes the grammar after it (one cheap validation: inside a string it usually does), or
-        else when the closer's walk (:meth:`closing_path`) finds one that fits. A token after which
+        else when the closer's walk (:meth:`_close`) finds one that fits. A token after which
         the walk gets stuck (in a ``format`` or ``pattern`` string) is kept too: the closer does not
         overrule the model where it cannot do better. The tokens are checked in order, as plain
         decoding checks them one at a time, so every method gives the same output."""

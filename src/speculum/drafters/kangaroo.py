@@ -34,9 +34,9 @@ from ..drafting.layer_subset import LayerSubset
 from ..drafting.tree_growth import DynamicTree, sample_chain
 from ..errors import SpeculumError
 from ..heads import HeadCache, head_for_target
-from ..runners import runner_for
 from ..tree import DraftTree
 from .base import Drafter
+from .self_draft import native_decoder
 from .text_lookup import TextLookup
 
 CATCH_UP_CHUNK = 512  # tokens per shallow forward while catching up (a prompt's)
@@ -49,10 +49,7 @@ class KangarooDrafter(TextLookup, Drafter):
                  depth: int = 6, max_nodes: int = 24, exit_confidence: float = 0.6, min_path_prob: float = 0.02,
                  lookup: int = 8):
         self.adapter, self.tables, self.path = head_for_target(target, "kangaroo", draft_head)
-        try:
-            self.decoder = runner_for(target, "native").decoder
-        except SpeculumError as e:
-            raise SpeculumError(f"kangaroo runs the target's first layers natively: {e}") from None
+        self.decoder = native_decoder(target, self.name)
         if self.adapter.config.exit_layer > self.decoder.shape.layers:
             raise SpeculumError(f"{self.path} exits after layer {self.adapter.config.exit_layer}; this model has "
                                 f"{self.decoder.shape.layers}")

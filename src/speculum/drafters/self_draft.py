@@ -123,22 +123,20 @@ class SelfDrafter(TextLookup, Drafter):
         model.begin(cache, 1 + depth * max(self.top_k, 1), tokens)
         root_pos = len(tokens) - 1
         yes = torch.ones(1, 1, dtype=torch.bool, device=self.device)
-        logits = model.run(self._ids(tokens[-1:]), self._pos([root_pos]), yes)[0]  # [V]
+        logits = model.run(self._tensor(tokens[-1:]), self._tensor([root_pos]), yes)[0]  # [V]
         if not self.params.greedy:
             return self._sampled_chain(model, logits, root_pos, depth, tokens, min(self.max_nodes, budget))
         return self._tree(model, logits, root_pos, depth, budget, tokens)
 
-    def _ids(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor(ids, device=self.device)
-
-    def _pos(self, positions: list[int]) -> torch.Tensor:
-        return torch.tensor(positions, device=self.device)
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        """Token ids or positions on the draft's device."""
+        return torch.tensor(values, device=self.device)
 
     def _sampled_chain(self, model: SelfDraft, logits: torch.Tensor, root_pos: int, k: int,
                        tokens: list[int], room: int) -> DraftTree:
         def advance(tok: int, i: int) -> torch.Tensor:
             visible = torch.ones(1, model.used + 1, dtype=torch.bool, device=self.device)
-            return model.run(self._ids([tok]), self._pos([root_pos + i + 1]), visible)[0]
+            return model.run(self._tensor([tok]), self._tensor([root_pos + i + 1]), visible)[0]
 
         return sample_chain(logits, k, self.params, self.generator, advance, self.end_ids,
                             lambda drafted: self.looked_up(tokens, drafted, room), self.exit_confidence)
@@ -153,7 +151,7 @@ class SelfDrafter(TextLookup, Drafter):
 
         def expand(frontier: list[int], d: int) -> torch.Tensor:
             visible = grow.expansion_mask(frontier, model.used, slot, anc)
-            logits = model.run(self._ids([grow.tokens[i] for i in frontier]), self._pos([root_pos + d] * len(frontier)),
+            logits = model.run(self._tensor([grow.tokens[i] for i in frontier]), self._tensor([root_pos + d] * len(frontier)),
                                torch.from_numpy(visible).to(self.device))
             return torch.log_softmax(logits.float(), -1)
 

@@ -84,24 +84,21 @@ class SwiftDrafter(SelfDrafter):
         return max((1 - a ** (g + 1)) / (1 - a) / (g * cost + 1) for g in range(1, self.depth + 1))
 
     @torch.inference_mode()
-    def _match(self, skip: Sequence[int], ids: torch.Tensor, positions: torch.Tensor, start: int,
-               want: torch.Tensor) -> float:
+    def _argmax(self, skip: Sequence[int], ids: torch.Tensor, positions: torch.Tensor, start: int) -> torch.Tensor:
+        """The greedy tokens of the model skipping ``skip`` at rows ``ids``, teacher-forced after the
+        first ``start`` committed entries."""
         model = self._model(skip)
         model.begin(self.target_cache, ids.shape[0])
         causal = torch.ones(ids.shape[0], ids.shape[0], dtype=torch.bool, device=self.device).tril()
-        got = model.run(ids, positions, causal, committed=start).argmax(-1)
-        return float((got == want).float().mean())
+        return model.run(ids, positions, causal, committed=start).argmax(-1)
 
     def _search(self, tokens: list[int]) -> None:
         n_layers = self.decoder.shape.layers
         length = self.target_cache.length
         rows = min(self.search_rows, length)
         start = length - rows
-        ids, positions = self._ids(tokens[start:length]), self._pos(list(range(start, length)))
-        full = self._model([])
-        full.begin(self.target_cache, rows)
-        causal = torch.ones(rows, rows, dtype=torch.bool, device=self.device).tril()
-        want = full.run(ids, positions, causal, committed=start).argmax(-1)
+        ids, positions = self._tensor(tokens[start:length]), self._tensor(list(range(start, length)))
+        want = self._argmax([], ids, positions, start)
         rng = random.Random(self.seed)
         middle = list(range(1, n_layers - 1))
         if not middle:
@@ -113,7 +110,7 @@ class SwiftDrafter(SelfDrafter):
         def score(skip: list[int]) -> None:
             key = tuple(sorted(skip))
             if key not in tried:
-                matches[key] = self._match(key, ids, positions, start, want)
+                matches[key] = float((self._argmax(key, ids, positions, start) == want).float().mean())
                 tried[key] = self.worth(matches[key], self.cost(key))
 
         explore = self.search_trials // 2

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..figures import save, subplots
 from ..heads import TargetTables, save_head
 from ..models import cpu_runs_bfloat16
 from .distill import Sample
@@ -270,15 +271,10 @@ class HeadTrainer:
 def write_report(history: History, out: Path, meta: dict, kind: str = "") -> tuple[Path, Path]:
     """``report.json`` (settings, per-epoch held-out accuracy by depth, loss per step) and
     ``loss.png`` (loss curves and held-out accuracy)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out = Path(out)
     report = {**meta, "evals": history.evals, "steps": history.steps}
     (out / "report.json").write_text(json.dumps(report, indent=1))
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = subplots(1, 2, figsize=(11, 4))
     steps = [s["step"] for s in history.steps]
     keys = [k for k in (history.steps[0] if history.steps else {}) if k not in ("step", "epoch", "time", "acc")]
     for key in keys:
@@ -296,8 +292,6 @@ def write_report(history: History, out: Path, meta: dict, kind: str = "") -> tup
     b.set_xlabel("epoch")
     b.set_title("held-out top-1 accuracy by draft depth")
     b.legend()
-    fig.tight_layout()
     png = out / "loss.png"
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save(fig, png, dpi=110)
     return out / "report.json", png
