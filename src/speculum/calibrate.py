@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from pathlib import Path
 
 import torch
@@ -69,7 +70,20 @@ def _tree(n: int, vocab: int, rng: random.Random) -> DraftTree:
 
 def measure(runner, token_counts=TOKEN_COUNTS, contexts=None, repeats: int = REPEATS,
             progress: bool = False) -> CostModel:
-    """Time ``runner.forward_tree`` over each token count at each context length."""
+    """Time ``runner.forward_tree`` over each token count at each context length (and, where the
+    runner batches, its batched forward: :func:`measure_steps`)."""
+    steps = measure_steps(runner, token_counts, contexts, repeats, progress)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def measure_steps(runner, token_counts=TOKEN_COUNTS, contexts=None, repeats: int = REPEATS,
+                  progress: bool = False) -> Generator[None, None, CostModel]:
+    """:func:`measure` one forward at a time: yields after each timed forward (a server measures in
+    its idle moments) and returns the :class:`CostModel`."""
     limit = runner.max_positions - max(token_counts) - 1
     contexts = [c for c in (contexts or CONTEXTS) if c <= limit] or [max(1, min(64, limit))]
     rng = random.Random(0)
@@ -91,19 +105,21 @@ def measure(runner, token_counts=TOKEN_COUNTS, contexts=None, repeats: int = REP
                     times[n].append(time.perf_counter() - t0)
                 cache.pending = 0
                 bar.update()
+                yield
         seconds.append([statistics.median(times[n]) for n in token_counts])
     bar.close()
     cost = CostModel(list(token_counts), contexts, seconds)
     if runner.batched_forward:
         cost.sequences, cost.rows, cost.batch_context = list(BATCH_SIZES), list(BATCH_ROWS), BATCH_CONTEXT
-        cost.batch_seconds = measure_batches(runner, rng, vocab, repeats, progress)
+        cost.batch_seconds = yield from _measure_batches(runner, rng, vocab, repeats, progress)
     return cost
 
 
-def measure_batches(runner, rng: random.Random, vocab: int, repeats: int = REPEATS,
-                    progress: bool = False) -> list[list[float]]:
+def _measure_batches(runner, rng: random.Random, vocab: int, repeats: int = REPEATS,
+                     progress: bool = False) -> Generator[None, None, list[list[float]]]:
     """``[len(BATCH_SIZES)][len(BATCH_ROWS)]`` median seconds of one batched forward over ``B``
-    sequences of ``BATCH_CONTEXT`` cached entries each, every one with a chain of ``r`` rows."""
+    sequences of ``BATCH_CONTEXT`` cached entries each, every one with a chain of ``r`` rows
+    (yields after each forward)."""
     ctx = min(BATCH_CONTEXT, runner.max_positions - max(BATCH_ROWS) - 1)
     pool = runner.new_pool(max(BATCH_SIZES), ctx + max(BATCH_ROWS) + 1)
     caches = [pool.acquire() for _ in range(max(BATCH_SIZES))]
@@ -123,6 +139,7 @@ def measure_batches(runner, rng: random.Random, vocab: int, repeats: int = REPEA
             for c in caches[:b]:
                 c.pending = 0
             bar.update()
+            yield
     bar.close()
     for c in caches:
         pool.release(c)
@@ -146,33 +163,118 @@ def _path(key: str):
 
 
 _MEASURED: dict[str, CostModel] = {}  # calibration key -> cost model, for this process
+_PENDING: dict[str, BackgroundCalibration] = {}  # keys a server measures (or waits for) in the background
+LOOK_EVERY_S = 5.0  # how often a server that waits for another process's calibration looks for it
+log = logging.getLogger("speculum.server")
+
+
+def _key(runner, contexts: list[int]) -> str:
+    return calibration_key(runner) + ("" if contexts == CONTEXTS else "-" + "-".join(map(str, contexts)))
+
+
+def cached(runner, contexts: list[int] | None = None) -> CostModel | None:
+    """The runner's cost model from memory or disk, or None (never measures)."""
+    contexts = list(contexts or CONTEXTS)
+    key = _key(runner, contexts)
+    if key not in _MEASURED and key not in _PENDING:
+        try:
+            _MEASURED[key] = CostModel.from_dict(json.loads(_path(key).read_text())["cost"])
+        except (OSError, ValueError, KeyError):
+            return None
+    return _MEASURED.get(key)
+
+
+def _save(runner, key: str, cost: CostModel) -> None:
+    meta = {"model": getattr(runner.config, "_name_or_path", ""), "dtype": str(runner.dtype),
+            "device": str(runner.device), "machine": _machine(), "cost": cost.to_dict()}
+    write_atomic(_path(key), json.dumps(meta, indent=1))
+    _MEASURED[key] = cost
 
 
 def load_or_measure(runner, progress: bool = False, force: bool = False,
-                    announce: Callable[[], None] | None = None, contexts: list[int] | None = None) -> CostModel:
+                    announce: Callable[[], None] | None = None, contexts: list[int] | None = None) -> CostModel | None:
     """The runner's cost model: from memory, from disk, or measured now (and saved); ``announce`` is
     called before a measurement starts (to tell the user why the run pauses). ``contexts``: context
-    lengths to time (default :data:`CONTEXTS`, the curve the tree sizer reads; others are kept apart)."""
+    lengths to time (default :data:`CONTEXTS`, the curve the tree sizer reads; others are kept apart).
+    None while a :class:`BackgroundCalibration` of this process measures it."""
     contexts = list(contexts or CONTEXTS)
-    key = calibration_key(runner) + ("" if contexts == CONTEXTS else "-" + "-".join(map(str, contexts)))
-    if key in _MEASURED and not force:
-        return _MEASURED[key]
-    path = _path(key)
-    cost = None
-    if path.exists() and not force:
-        try:
-            cost = CostModel.from_dict(json.loads(path.read_text())["cost"])
-        except (ValueError, KeyError):
-            cost = None
+    key = _key(runner, contexts)
+    if key in _PENDING and not force:
+        return _PENDING[key].poll() or _MEASURED.get(key)
+    cost = None if force else cached(runner, contexts)
     if cost is None:
         if announce is not None:
             announce()
         cost = measure(runner, contexts=contexts, progress=progress)
-        meta = {"model": getattr(runner.config, "_name_or_path", ""), "dtype": str(runner.dtype),
-                "device": str(runner.device), "machine": _machine(), "cost": cost.to_dict()}
-        write_atomic(path, json.dumps(meta, indent=1))
-    _MEASURED[key] = cost
+        _save(runner, key, cost)
     return cost
+
+
+class BackgroundCalibration:
+    """A server's calibration: the runner's cost model measured one forward at a time in the idle
+    moments of the thread that runs the model (:meth:`step`, so that it never runs beside a request's
+    forward), or (``measure=False``: another process measures it) read from disk once it is there.
+    Until then :func:`load_or_measure` gives None for this runner (the tree sizer then verifies no
+    scored drafts: plain decoding)."""
+
+    def __init__(self, runner, measure: bool = True, on_done: Callable[[CostModel], None] | None = None):
+        self.runner, self.on_done = runner, on_done
+        self.key = _key(runner, CONTEXTS)
+        self.cost = cached(runner)
+        measure = measure and self.key not in _PENDING  # (not twice in one process)
+        self.steps = measure_steps(runner) if measure and self.cost is None else None
+        self._looked = 0.0
+        if self.cost is None:
+            _PENDING.setdefault(self.key, self)
+
+    @property
+    def done(self) -> bool:
+        return self.cost is not None
+
+    @property
+    def measuring(self) -> bool:
+        """Measured here (else looked for on disk)."""
+        return self.steps is not None
+
+    def poll(self) -> CostModel | None:
+        """The cost model once measured (here or, at most every few seconds, looked for on disk)."""
+        if self.cost is None and self.steps is None and time.monotonic() - self._looked > LOOK_EVERY_S:
+            self._looked = time.monotonic()
+            mine = _PENDING.get(self.key) is self
+            if mine:
+                del _PENDING[self.key]
+            cost = cached(self.runner)
+            if cost is not None:
+                self._finish(cost)
+            elif mine:
+                _PENDING[self.key] = self
+        return self.cost
+
+    def close(self) -> None:
+        """Stop (the server closes): this process measures it on demand again."""
+        self.steps = None
+        if _PENDING.get(self.key) is self:
+            del _PENDING[self.key]
+
+    def step(self) -> None:
+        """One forward of the measurement (call when the model is idle); saves the result after the last."""
+        if self.steps is None:
+            self.poll()
+            return
+        try:
+            next(self.steps)
+        except StopIteration as finished:
+            self.steps = None
+            _save(self.runner, self.key, finished.value)
+            self._finish(finished.value)
+
+    def _finish(self, cost: CostModel) -> None:
+        self.cost = cost
+        if _PENDING.get(self.key) is self:
+            del _PENDING[self.key]
+        log.info("calibration done: this machine's forward costs are measured; draft trees are sized from now on")
+        if self.on_done is not None:
+            self.on_done(cost)
 
 
 def report_text(curves: dict[str, CostModel]) -> str:

@@ -137,9 +137,14 @@ class TreeSizer:
         self._cost, self.overhead_s = cost, overhead_s
 
     @property
-    def cost(self) -> CostModel:
+    def cost(self) -> CostModel | None:
+        """The cost curve; None while a server measures it in the background (then scored drafts
+        are not verified: plain decoding until it is known)."""
         if not isinstance(self._cost, CostModel):
-            self._cost = self._cost()
+            cost = self._cost()
+            if cost is None:
+                return None
+            self._cost = cost
         return self._cost
 
     def select(self, tree: DraftTree, context: int) -> DraftTree:
@@ -150,6 +155,8 @@ class TreeSizer:
         """
         if tree.scores is None or len(tree) == 0:
             return tree
+        if self.cost is None:
+            return tree.subtree([])
         depth = tree.depths()
         # a node's score capped by its ancestors' (nodes come parents first): a child whose score rounds
         # above its parent's must not be kept without it
@@ -176,6 +183,8 @@ class TreeSizer:
                 pooled += [(-t.scores[i], depth[i], j, i) for i in range(len(t))]
         if not pooled:
             return trees
+        if self.cost is None:
+            return [t if t.scores is None else t.subtree([]) for t in trees]
         pooled.sort()
         context = sum(contexts)
         best_n, expected = 0, float(b)  # the bonus tokens; unscored nodes are not counted on

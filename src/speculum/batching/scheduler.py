@@ -96,6 +96,13 @@ class Batcher:
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []
 
+    def resize(self, max_batch: int) -> None:
+        """Decode up to ``max_batch`` requests at once from now on (while idle: a new slot pool)."""
+        if not self.idle:
+            raise RuntimeError("the batcher resizes only while idle")
+        self.max_batch, self.pool = max_batch, self.runner.new_pool(max_batch)
+        self._pools[self.runner] = self.pool
+
     def submit(self, request: BatchRequest) -> None:
         """Queue ``request``; it starts at a later :meth:`step` once a slot is free."""
         runner = request.engine.runner

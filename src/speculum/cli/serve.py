@@ -102,6 +102,5 @@ def run(args) -> int:
         from ..integrations.ray_serve import serve_replicas
 
         return serve_replicas(args, guard, origins)
-    state = build_state(args)
-    serve_http(state, guard, origins, args)
+    serve_http(lambda: build_state(args), guard, origins, args)
     return 0

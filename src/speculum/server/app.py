@@ -73,7 +73,7 @@ class ServerState:
             self.engine = ModelState(model, tokenizer, method, max_tree, max_tenants, deterministic, max_batch,
                                      prefix_cache_mb, draft_head)
             info, metrics = self.engine.info(), Metrics()
-            worker = Worker(self.engine.get_method, metrics, self.engine.batcher, max_queue)
+            worker = Worker(self.engine.get_method, metrics, self.engine.batcher, max_queue, idle=self.engine)
         else:
             self.engine, info, metrics, worker = None, engines.info, engines.metrics, engines
         self.max_tree, self.deterministic, self.max_batch = info["max_tree"], info["deterministic"], info["max_batch"]
@@ -88,6 +88,11 @@ class ServerState:
         """The HTTP side of a server whose model runs in the engine processes of ``pool``."""
         return cls(None, tokenizer, model_name, method, limits=limits, share_drafter_state=share_drafter_state,
                    max_tenants=max_tenants, engines=pool)
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the model side knows its cost curve (else it measures it in the background)."""
+        return self.engine.calibration.done if self.engine is not None else self.worker.calibrated
 
     # the in-process model side's parts (None with engine processes)
     model = property(lambda self: None if self.engine is None else self.engine.model)
@@ -116,6 +121,8 @@ class ServerState:
 
     def close(self) -> None:
         self.worker.close()
+        if self.engine is not None:
+            self.engine.calibration.close()
         self.prep.shutdown(wait=False, cancel_futures=True)
         self.compile_pool.shutdown(wait=False, cancel_futures=True)
 
@@ -160,7 +167,8 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": state.model_name}
+        return {"status": "ok", "model": state.model_name,
+                "calibration": "done" if state.calibrated else "running (scored drafts wait for it)"}
 
     @app.get("/metrics")
     async def metrics():

@@ -15,11 +15,16 @@ Messages over each engine's pipe (pickled):
 
 - to the engine: ``("submit", jid, EngineJob)``, ``("cancel", jid)``, ``("close",)``;
 - from it: ``("ready", info)`` or ``("fatal", text)`` once, then ``(jid, "tokens", (ids, logprobs))``,
-  ``(jid, "done", (result, reused_prompt_tokens))``, ``(jid, "error", exception)``.
+  ``(jid, "done", (result, reused_prompt_tokens))``, ``(jid, "error", exception)``, and once
+  ``(None, "calibrated", max_batch)`` when its background calibration is done.
+
+Engine 0 measures the calibration in its idle moments if it is not on disk; the others read it
+from disk once it is there (:class:`~speculum.calibrate.BackgroundCalibration`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -55,6 +60,7 @@ class EngineConfig:
     prefix_cache_mb: int = 256
     draft_head: tuple[str, ...] | None = None  # head files (--draft-head), any kinds
     weights: str | None = None  # --weights (None: auto)
+    calibrate: bool = True  # measure the cost curve here if it is not on disk (else wait for it there)
 
 
 @dataclass
@@ -92,7 +98,7 @@ def _engine_main(conn, config: EngineConfig) -> None:  # pragma: no cover - runs
         release_if_native(model)
         state = ModelState(model, tok, config.method, max_tree=config.max_tree, deterministic=config.deterministic,
                            max_batch=config.max_batch, prefix_cache_mb=config.prefix_cache_mb,
-                           draft_head=config.draft_head)
+                           draft_head=config.draft_head, calibrate=config.calibrate)
         weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
         weights += sum(q.nbytes for q in getattr(model, "speculum_quant", {}).values())
     except BaseException as e:  # noqa: BLE001 - reported to the HTTP process, which refuses to start
@@ -129,8 +135,16 @@ def _engine_main(conn, config: EngineConfig) -> None:  # pragma: no cover - runs
                                  done, failed, leader=live.get(job.leader))
         batcher.submit(live[jid])
 
+    calibrated = state.calibration.done
     try:
         while True:
+            wait = state.idle_timeout() if batcher.idle else 0
+            if not conn.poll(wait) and batcher.idle:
+                state.idle_step()
+                if state.calibration.done and not calibrated:
+                    calibrated = True
+                    conn.send((None, "calibrated", state.batch_after_calibration))
+                continue
             while conn.poll(None if batcher.idle else 0):
                 msg = conn.recv()
                 if msg[0] == "close":
@@ -204,7 +218,8 @@ class EnginePool(JobAccounting):
                                     f"each engine holds {self.info['weight_bytes'] >> 20} MiB of weights")
                     break
             parent, child = ctx.Pipe()
-            process = ctx.Process(target=_engine_main, args=(child, config), name=f"speculum-engine-{i}", daemon=True)
+            process = ctx.Process(target=_engine_main, args=(child, dataclasses.replace(config, calibrate=i == 0)),
+                                  name=f"speculum-engine-{i}", daemon=True)
             process.start()
             child.close()
             if not parent.poll(STARTUP_S):
@@ -221,6 +236,7 @@ class EnginePool(JobAccounting):
             self.info = self.info or msg[1]
             self.engines.append(_Engine(i, process, parent))
         self.max_batch = self.info["max_batch"]
+        self.calibrated = self.info["calibrated"]
         self._running = metrics.running
         self.per_engine = metrics.engine_requests
         for e in self.engines:
@@ -328,6 +344,12 @@ class EnginePool(JobAccounting):
                 for job in lost:
                     job.emit("error", RuntimeError(f"engine {e.index} exited"))
                 return
+            if jid is None:  # engine 0's calibration is done (the batch it picks, for every engine)
+                log.info("calibration done: draft trees are sized from now on, up to %d requests per forward", value)
+                with self._lock:
+                    self.calibrated, self.max_batch = True, value
+                    self._dispatch()
+                continue
             with self._lock:
                 job = e.jobs.get(jid)
                 if job is None:  # cancelled meanwhile

@@ -104,6 +104,7 @@ def build_state(args: argparse.Namespace, engines: int | None = None, threads: i
         state = ServerState(model, tok, name, args.method, args.max_queue, args.max_tree, limits,
                             args.share_drafter_state, deterministic=args.deterministic, max_batch=args.max_batch,
                             prefix_cache_mb=args.prefix_cache_mb, draft_head=args.draft_head)
+    logging.getLogger("speculum.server").setLevel(logging.INFO)  # (the calibration's arrival)
     if not args.no_access_log:
         logging.getLogger("speculum.access").setLevel(logging.INFO)
     if args.deterministic is None and not state.deterministic:
@@ -115,20 +116,62 @@ def build_state(args: argparse.Namespace, engines: int | None = None, threads: i
 def describe(state, args: argparse.Namespace) -> str:
     mode = "reproducible" if state.deterministic else "whole trees"
     running = len(state.worker.engines) if hasattr(state.worker, "engines") else 1
+    calibration = "" if state.calibrated else "; measuring this machine's forward costs in idle moments"
     return (f"{state.model_name!r} ({args.method}, {mode}, {running} engine{'s' if running > 1 else ''}, "
-            f"up to {state.max_batch} requests per forward)")
+            f"up to {state.max_batch} requests per forward{calibration})")
 
 
-def serve_http(state, guard: GuardSettings, origins: tuple[str, ...], args: argparse.Namespace) -> None:
-    """Run ``state``'s routes under uvicorn on ``--host``/``--port`` until interrupted."""
+class Starting:
+    """The ASGI app while the model loads: ``/health`` answers 503 ``{"status": "loading"}`` and
+    every other path an OpenAI-shaped 503 with ``Retry-After``; then (``app`` set) the real app."""
+
+    def __init__(self):
+        self.app = None
+
+    async def __call__(self, scope, receive, send):
+        if self.app is not None:
+            return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return None
+        from starlette.responses import JSONResponse
+
+        from .protocol import APIError
+
+        body = {"status": "loading"} if scope["path"] == "/health" else APIError(
+            "the model is loading; retry in a few seconds", 503, "server_error", code="loading").body()
+        return await JSONResponse(body, status_code=503, headers={"Retry-After": "5"})(scope, receive, send)
+
+
+def serve_http(build, guard: GuardSettings, origins: tuple[str, ...], args: argparse.Namespace) -> None:
+    """Listen on ``--host``/``--port`` at once and serve the state ``build()`` makes (the model
+    loaded, on a thread of its own; :class:`Starting` answers meanwhile) until interrupted."""
+    import threading
+
     import uvicorn
 
     from .app import create_app
 
-    print(f"speculum: serving {describe(state, args)} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    front, built, failed = Starting(), [], []
+    # (no lifespan events: without them Ctrl-C ends quietly instead of logging a cancelled lifespan task)
+    server = uvicorn.Server(uvicorn.Config(front, host=args.host, port=args.port, log_level="warning",
+                                           lifespan="off"))
+
+    def load() -> None:
+        try:
+            built.append(build())
+            front.app = create_app(built[0], guard, origins)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread, which stops serving
+            failed.append(e)
+            server.should_exit = True
+            return
+        print(f"speculum: serving {describe(built[0], args)}", file=sys.stderr)
+
+    print(f"speculum: listening on http://{args.host}:{args.port}/v1 (loading the model)", file=sys.stderr)
+    threading.Thread(target=load, name="speculum-load", daemon=True).start()
     try:
-        # (no lifespan events: without them Ctrl-C ends quietly instead of logging a cancelled lifespan task)
-        uvicorn.run(create_app(state, guard, origins), host=args.host, port=args.port, log_level="warning",
-                    lifespan="off")
+        server.run()
     finally:
-        state.close()
+        if built:
+            built[0].close()
+    if failed:
+        raise failed[0]

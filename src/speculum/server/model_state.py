@@ -6,11 +6,12 @@ HTTP.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 
 from ..batching import Batcher, PrefixCache
-from ..calibrate import default_max_batch, load_or_measure
+from ..calibrate import LOOK_EVERY_S, BackgroundCalibration, default_max_batch
 from ..engine import default_eos_ids
 from ..errors import SpeculumError
 from ..kv import make_policy
@@ -18,6 +19,8 @@ from ..methods import DRAFT_MODEL_METHODS, ENGINE_METHODS, build_method
 from ..runners import NativeRunner, runner_for
 
 SERVABLE_METHODS = tuple(m for m in ENGINE_METHODS if m not in DRAFT_MODEL_METHODS)
+log = logging.getLogger("speculum.server")
+PROVISIONAL_BATCH = 4  # requests per forward until the calibration picks the number
 MAX_POLICY_METHODS = 8  # KV-policy variants of its methods a tenant keeps built (ModelState.get_method)
 
 
@@ -41,9 +44,15 @@ class ModelState:
     ever change a token). True: on, with every step padded to a fixed row count where the kernels
     have no floors (slow); False: off.
 
+    **Calibration**: the runner's cost curve (which sizes draft trees and the batch) is read from
+    disk, or measured in the background (:class:`~speculum.calibrate.BackgroundCalibration`,
+    ``calibrate``; False: another process measures it and this one reads it once it is there):
+    the server listens at once, verifies no scored drafts until the curve is known, and
+    :meth:`idle_step` measures one forward at a time while no request runs.
+
     **Batching**: up to ``max_batch`` requests decode together, one forward per step
     (:class:`~speculum.batching.Batcher`); None picks it from the runner's calibration
-    (:func:`~speculum.calibrate.default_max_batch`). Prompts that start like a recent prompt of the
+    (:func:`~speculum.calibrate.default_max_batch`; :data:`PROVISIONAL_BATCH` until it is known). Prompts that start like a recent prompt of the
     same tenant reuse its KV entries (``prefix_cache_mb`` of them at most; 0 turns reuse off). In
     the reproducible mode a request's output does not depend on its batch where the batched
     kernels keep each row's numbers (tested for bfloat16 on oneDNN; see BENCHMARKS.md).
@@ -51,7 +60,7 @@ class ModelState:
 
     def __init__(self, model, tokenizer, method: str = "auto", max_tree: int = 64, max_tenants: int = 64,
                  deterministic: bool | None = None, max_batch: int | None = None, prefix_cache_mb: int = 256,
-                 draft_head: tuple[str, ...] | None = None):
+                 draft_head: tuple[str, ...] | None = None, calibrate: bool = True):
         if method not in SERVABLE_METHODS:
             raise SpeculumError(f"unknown method {method!r}; choose from {', '.join(SERVABLE_METHODS)}")
         self.model, self.tokenizer = model, tokenizer
@@ -73,17 +82,46 @@ class ModelState:
         self.tenants: OrderedDict[str, dict[str, object]] = OrderedDict()
         self._tenants_lock = threading.Lock()
         self.get_method(method)  # build the default method before serving
+        self.pick_batch, self._resize_to = max_batch is None, None
+        self.calibration = BackgroundCalibration(self.runner, calibrate, self._calibrated)
         if max_batch is None:
-            max_batch = default_max_batch(load_or_measure(self.runner))
+            cost = self.calibration.cost
+            max_batch = PROVISIONAL_BATCH if cost is None else default_max_batch(cost)
         if max_batch < 1:
             raise SpeculumError(f"max_batch must be at least 1, got {max_batch}")
         self.max_batch = max_batch
         self.prefix_cache = PrefixCache(prefix_cache_mb << 20) if prefix_cache_mb > 0 else None
         self.batcher = Batcher(self.runner, max_batch, prefix_cache=self.prefix_cache)
 
+    def idle_timeout(self) -> float | None:
+        """How long the model's thread may wait for a request before :meth:`idle_step` has work:
+        None (no idle work), 0 (measuring) or a few seconds (another process measures)."""
+        if self.calibration.done:
+            return 0.0 if self._resize_to is not None else None
+        return 0.0 if self.calibration.measuring else LOOK_EVERY_S
+
+    def idle_step(self) -> None:
+        """One forward of the background calibration, or the batch resized to its result (on the
+        model's thread while no request runs)."""
+        if not self.calibration.done:
+            self.calibration.step()
+        elif self._resize_to is not None and self.batcher.idle:
+            self.max_batch, self._resize_to = self._resize_to, None
+            self.batcher.resize(self.max_batch)
+            log.info("serving up to %d requests per forward (calibrated)", self.max_batch)
+
+    @property
+    def batch_after_calibration(self) -> int:
+        return self._resize_to or self.max_batch
+
+    def _calibrated(self, cost) -> None:
+        if self.pick_batch:
+            self._resize_to = default_max_batch(cost)
+
     def info(self) -> dict:
         """What the HTTP side needs to know of this model side (plain values: it crosses processes)."""
         return {"deterministic": self.deterministic, "max_batch": self.max_batch, "max_tree": self.max_tree,
+                "calibrated": self.calibration.done,
                 "context": self.runner.max_positions, "eos_ids": self.eos_ids, "vocab_size": self.runner.vocab_size}
 
     def get_method(self, name: str, tenant: str = "", kv: tuple[str, str] | None = None):

@@ -116,11 +116,12 @@ class JobAccounting:
 
 class Worker(JobAccounting):
     """Runs jobs on the methods ``get_method(name, tenant)`` returns
-    (:class:`~speculum.methods.EngineMethod`, built on demand), through ``batcher``."""
+    (:class:`~speculum.methods.EngineMethod`, built on demand), through ``batcher``; while none
+    runs, ``idle`` (a :class:`~.model_state.ModelState`) gets the thread for its background work."""
 
-    def __init__(self, get_method, metrics: Metrics, batcher: Batcher, max_queue: int = 16):
+    def __init__(self, get_method, metrics: Metrics, batcher: Batcher, max_queue: int = 16, idle=None):
         self.get_method, self.metrics, self.max_queue = get_method, metrics, max_queue
-        self.batcher = batcher
+        self.batcher, self.idle = batcher, idle
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._waiting = 0
@@ -162,9 +163,12 @@ class Worker(JobAccounting):
         while True:
             # take jobs while a slot is free; block only when nothing runs
             while len(running) < b.max_batch and not (running and self._queue.empty()):
+                wait = None if running or self.idle is None else self.idle.idle_timeout()
                 try:
-                    job = self._queue.get(block=not running)
+                    job = self._queue.get(block=not running and wait != 0, timeout=wait)
                 except queue.Empty:
+                    if not running and self.idle is not None:
+                        self.idle.idle_step()
                     break
                 if job is None:
                     return
