@@ -52,10 +52,10 @@ class ModelState:
 
     **Batching**: up to ``max_batch`` requests decode together, one forward per step
     (:class:`~speculum.batching.Batcher`); None picks it from the runner's calibration
-    (:func:`~speculum.calibrate.default_max_batch`; :data:`PROVISIONAL_BATCH` until it is known). Prompts that start like a recent prompt of the
-    same tenant reuse its KV entries (``prefix_cache_mb`` of them at most; 0 turns reuse off). In
-    the reproducible mode a request's output does not depend on its batch where the batched
-    kernels keep each row's numbers (tested for bfloat16 on oneDNN; see BENCHMARKS.md).
+    (:func:`~speculum.calibrate.default_max_batch`; :data:`PROVISIONAL_BATCH` until it is known).
+    Prompts that start like a recent prompt of the same tenant reuse its KV entries
+    (``prefix_cache_mb`` of them at most; 0 turns reuse off). In the reproducible mode a request's
+    output does not depend on its batch where the batched kernels keep each row's numbers (tested for bfloat16 on oneDNN; see BENCHMARKS.md).
     """
 
     def __init__(self, model, tokenizer, method: str = "auto", max_tree: int = 64, max_tenants: int = 64,
@@ -97,7 +97,7 @@ class ModelState:
         """How long the model's thread may wait for a request before :meth:`idle_step` has work:
         None (no idle work), 0 (measuring) or a few seconds (another process measures)."""
         if self.calibration.done:
-            return 0.0 if self._resize_to is not None else None
+            return 0.0 if self._resize_to is not None and self.batcher.idle else None
         return 0.0 if self.calibration.measuring else LOOK_EVERY_S
 
     def idle_step(self) -> None:
