@@ -55,7 +55,8 @@ class ModelState:
     (:func:`~speculum.calibrate.default_max_batch`; :data:`PROVISIONAL_BATCH` until it is known).
     Prompts that start like a recent prompt of the same tenant reuse its KV entries
     (``prefix_cache_mb`` of them at most; 0 turns reuse off). In the reproducible mode a request's
-    output does not depend on its batch where the batched kernels keep each row's numbers (tested for bfloat16 on oneDNN; see BENCHMARKS.md).
+    output does not depend on its batch where the batched kernels keep each row's numbers (tested
+    for bfloat16 on oneDNN; see BENCHMARKS.md).
     """
 
     def __init__(self, model, tokenizer, method: str = "auto", max_tree: int = 64, max_tenants: int = 64,
