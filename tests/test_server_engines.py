@@ -80,6 +80,22 @@ def test_streaming_and_a_json_schema_through_an_engine(client):
     jsonschema.validate(json.loads(out.choices[0].message.content), schema)
 
 
+def test_n_choices_run_on_one_engine_from_one_prefill(server, client):
+    """``n=2``: the second choice goes to the engine of the first and copies its prompt's entries."""
+    def computed() -> float:
+        line = next(x for x in httpx.get(server[1] + "/metrics").text.splitlines()
+                    if x.startswith("speculum:prompt_tokens_computed_total "))
+        return float(line.split()[-1])
+
+    before = computed()
+    kw = {"model": "smollm2", "messages": [{"role": "user", "content": "Describe a cat in a few words."}],
+          "max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 2}
+    out = client.chat.completions.create(**kw)
+    assert computed() - before == out.usage.prompt_tokens + 1  # the prompt once, then one root token
+    assert [c.message.content for c in client.chat.completions.create(**kw).choices] == \
+        [c.message.content for c in out.choices]
+
+
 def test_a_kv_policy_request_through_an_engine(client, smollm2_f32):
     from speculum.kv import make_policy
 

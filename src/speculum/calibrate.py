@@ -214,8 +214,8 @@ class BackgroundCalibration:
     """A server's calibration: the runner's cost model measured one forward at a time in the idle
     moments of the thread that runs the model (:meth:`step`, so that it never runs beside a request's
     forward), or (``measure=False``: another process measures it) read from disk once it is there.
-    Until then :func:`load_or_measure` gives None for this runner (the tree sizer then verifies no
-    scored drafts: plain decoding)."""
+    Until then :func:`load_or_measure` gives None for this runner (the tree sizer then sizes trees
+    by :data:`~speculum.tree_sizing.PROVISIONAL`, a cautious stand-in)."""
 
     def __init__(self, runner, measure: bool = True, on_done: Callable[[CostModel], None] | None = None):
         self.runner, self.on_done = runner, on_done

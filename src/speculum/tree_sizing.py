@@ -127,6 +127,13 @@ def best_size(scores_desc: list[float], cost: CostModel, context: int, overhead_
     return best_n
 
 
+# A cautious stand-in curve for a server whose calibration is still being measured: each step's rows
+# cost like a CPU's quantized kernels (16 tokens 4x one), which keeps trees small, so that they pay
+# on slower machines too; only the ratios matter (no drafter overhead is added to it)
+PROVISIONAL = CostModel([1, 2, 4, 8, 12, 16, 24, 32, 48, 64], [64],
+                        [[0.010, 0.0115, 0.014, 0.022, 0.031, 0.040, 0.058, 0.075, 0.110, 0.150]])
+
+
 class TreeSizer:
     """Trims each drafted tree to the node count that maximises expected tokens per second.
 
@@ -137,13 +144,12 @@ class TreeSizer:
         self._cost, self.overhead_s = cost, overhead_s
 
     @property
-    def cost(self) -> CostModel | None:
-        """The cost curve; None while a server measures it in the background (then scored drafts
-        are not verified: plain decoding until it is known)."""
+    def cost(self) -> CostModel:
+        """The cost curve; :data:`PROVISIONAL` while a server measures it in the background."""
         if not isinstance(self._cost, CostModel):
             cost = self._cost()
             if cost is None:
-                return None
+                return PROVISIONAL
             self._cost = cost
         return self._cost
 
@@ -155,8 +161,6 @@ class TreeSizer:
         """
         if tree.scores is None or len(tree) == 0:
             return tree
-        if self.cost is None:
-            return tree.subtree([])
         depth = tree.depths()
         # a node's score capped by its ancestors' (nodes come parents first): a child whose score rounds
         # above its parent's must not be kept without it
@@ -183,8 +187,6 @@ class TreeSizer:
                 pooled += [(-t.scores[i], depth[i], j, i) for i in range(len(t))]
         if not pooled:
             return trees
-        if self.cost is None:
-            return [t if t.scores is None else t.subtree([]) for t in trees]
         pooled.sort()
         context = sum(contexts)
         best_n, expected = 0, float(b)  # the bonus tokens; unscored nodes are not counted on

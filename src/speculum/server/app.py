@@ -168,7 +168,7 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": state.model_name,
-                "calibration": "done" if state.calibrated else "running (scored drafts wait for it)"}
+                "calibration": "done" if state.calibrated else "running (trees sized by a stand-in curve meanwhile)"}
 
     @app.get("/metrics")
     async def metrics():

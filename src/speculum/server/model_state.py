@@ -47,7 +47,7 @@ class ModelState:
     **Calibration**: the runner's cost curve (which sizes draft trees and the batch) is read from
     disk, or measured in the background (:class:`~speculum.calibrate.BackgroundCalibration`,
     ``calibrate``; False: another process measures it and this one reads it once it is there):
-    the server listens at once, verifies no scored drafts until the curve is known, and
+    the server listens at once, sizes trees by a stand-in curve until the curve is known, and
     :meth:`idle_step` measures one forward at a time while no request runs.
 
     **Batching**: up to ``max_batch`` requests decode together, one forward per step
