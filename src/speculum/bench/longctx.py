@@ -288,10 +288,8 @@ def accuracy_plot(rows: list[dict], path: str | Path) -> None:
         for policy in sorted({r["policy"] for r in here}):
             pts = sorted((budget_fraction(r, full_bytes), r["accuracy"]) for r in here if r["policy"] == policy)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy, alpha=0.8)
-        ax.set_title(f"{length} tokens")
-        ax.set_xlabel("KV budget (fraction of context kept, read, or of full bytes)")
-        ax.set_ylabel("accuracy (%)")
-        ax.set_ylim(-5, 105)
+        ax.set(title=f"{length} tokens", xlabel="KV budget (fraction of context kept, read, or of full bytes)",
+               ylabel="accuracy (%)", ylim=(-5, 105))
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8)
     save(fig, path)

@@ -58,7 +58,6 @@ def speedup_plot(results: dict, path: str | Path) -> None:
         ax.bar(xs, vals, width, label=name)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks(range(len(tasks)), tasks, rotation=20)
-    ax.set_ylabel(ref.replace("_", " "))
-    ax.set_title(f"{results.get('model')} ({results.get('dtype')})")
+    ax.set(ylabel=ref.replace("_", " "), title=f"{results.get('model')} ({results.get('dtype')})")
     ax.legend(fontsize=8, ncols=min(4, len(methods)))
     save(fig, path)

@@ -242,18 +242,13 @@ def write_serving(out_dir: str | Path, label: str, run: dict, meta: dict, includ
 
 def plot_serving(runs: dict[str, dict], path: Path) -> None:
     """Left: total tok/s against clients; right: p99 time to first token against clients."""
-    fig, (left, right) = subplots(1, 2, figsize=(11, 4))
-    for label, run in runs.items():
-        xs = [r["concurrency"] for r in run["rows"]]
-        left.plot(xs, [r["tok_s"] for r in run["rows"]], marker="o", label=label)
-        right.plot(xs, [r["ttft_p99_s"] for r in run["rows"]], marker="o", label=label)
-    left.set_xlabel("concurrent clients")
-    left.set_ylabel("generated tokens / s (all clients)")
-    left.set_title("throughput")
-    right.set_xlabel("concurrent clients")
-    right.set_ylabel("time to first token, p99 (s)")
-    right.set_title("latency")
-    for ax in (left, right):
+    fig, axes = subplots(1, 2, figsize=(11, 4))
+    panels = (("tok_s", "generated tokens / s (all clients)", "throughput"),
+              ("ttft_p99_s", "time to first token, p99 (s)", "latency"))
+    for ax, (key, ylabel, title) in zip(axes, panels):
+        for label, run in runs.items():
+            ax.plot([r["concurrency"] for r in run["rows"]], [r[key] for r in run["rows"]], marker="o", label=label)
+        ax.set(xlabel="concurrent clients", ylabel=ylabel, title=title)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     save(fig, path)
