@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "passkey",
          "variable_tracking", "common_words")
-RETRIEVAL_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "passkey")
 
 NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 WORDS = ("apple", "river", "candle", "marble", "violin", "harbor", "meadow", "lantern", "pepper", "saddle",
