@@ -45,6 +45,7 @@ from ..methods import build_method
 from ..prompts import encode_prompt
 from ..result import FinishReason
 from ..runners import runner_for
+from .data import read_jsonl
 
 PROMPT = ("Reply with one JSON object that follows this JSON schema, with realistic values. "
           "Output only the JSON.\nSchema: {schema}")
@@ -82,21 +83,9 @@ class StructuredRecord:
 
 
 def load_schemas(path: str | Path) -> list[SchemaCase]:
-    path = Path(path)
-    if not path.is_file():
-        raise SpeculumError(f"schema file {path} does not exist")
-    cases = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            cases.append(SchemaCase(str(row["id"]), str(row.get("dataset", "")), row["schema"]))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise SpeculumError(f"{path}:{n}: not a JSONSchemaBench row ({e})") from None
-    if not cases:
-        raise SpeculumError(f"{path} holds no schemas")
-    return cases
+    return read_jsonl(path, "schema file", "schemas",
+                      lambda row, _: SchemaCase(str(row["id"]), str(row.get("dataset", "")), row["schema"]),
+                      "not a JSONSchemaBench row ({e})")
 
 
 def features(schema) -> set[str]:
