@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .common import DTYPE_HELP
+from .common import DTYPE_HELP, add_chat_args
 
 
 def add_parser(sub) -> None:
@@ -61,10 +61,7 @@ def add_parser(sub) -> None:
     lc.add_argument("--model", default="default", help="as for generate (default: %(default)s)")
     lc.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     lc.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    chat_lc = lc.add_mutually_exclusive_group()
-    chat_lc.add_argument("--chat", dest="chat", action="store_true", default=None,
-                         help="apply the tokenizer's chat template (default when it has one)")
-    chat_lc.add_argument("--no-chat", dest="chat", action="store_false", help="raw text prompts")
+    add_chat_args(lc, "raw text prompts")
 
 
 def run(args) -> int:
