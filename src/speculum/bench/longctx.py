@@ -20,6 +20,7 @@ import json
 import statistics
 import time
 from collections import defaultdict
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -104,26 +105,19 @@ class LongRecord:
     time_s: float = 0.0  # prefill + decode, wall
 
 
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark of this process (Linux ``clear_refs``); False if unavailable."""
+def reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS mark of this process (Linux ``clear_refs``; elsewhere nothing)."""
     return_freed_memory()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    with suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def peak_rss(field: str = "VmHWM") -> int | None:
     """``VmHWM`` (peak) or ``VmRSS`` (current) resident memory of this process in bytes (None off Linux)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
     return None
 
 
@@ -143,11 +137,9 @@ def encode_task(tokenizer, t: LongTask, chat: bool | None = None) -> tuple[list[
     return first + tokenizer(tail, add_special_tokens=False)["input_ids"], len(first)
 
 
-def run_longctx(model, tokenizer, lengths: list[int], tasks: list[str], policies: list[str],
-                budgets: list[str], samples: int = 2, protocol: str = "aware", chat: bool | None = None,
-                progress: bool = True, values: tuple[str, ...] = ("number",),
-                kv_drafts: tuple[str, ...] = (), reproducible: bool = False) -> list[LongRecord]:
-    """Run the suite; returns one record per (sample, policy, budget). ``values``: needle value kinds.
+def run_longctx(model, tokenizer, suite: Suite, protocol: str = "aware", chat: bool | None = None,
+                progress: bool = True, kv_drafts: tuple[str, ...] = (), reproducible: bool = False) -> list[LongRecord]:
+    """Run the suite; returns one record per (sample, policy, budget).
     ``kv_drafts``: lossless rows, the full cache verifying drafts from a compressed view
     (:mod:`speculum.drafters.kv_draft`; ``"streaming:window=256,bits=4"``), each named ``kv_draft:SPEC``.
     ``reproducible``: ``full`` and the kv-draft rows run in the reproducible mode (chains verified with
@@ -157,13 +149,9 @@ def run_longctx(model, tokenizer, lengths: list[int], tasks: list[str], policies
         raise SpeculumError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
     runner = runner_for(model)
     max_pos = runner.max_positions
-    configs: list[tuple[str, str]] = []
-    for spec in policies:
-        name = spec.partition(":")[0]
-        if name in ("full", "kv_quant"):  # no budget applies
-            configs.append((spec, "-"))
-        else:
-            configs += [(spec, b) for b in budgets]
+    budget_free = ("full", "kv_quant")  # no budget applies
+    configs = [(spec, b) for spec in suite.policies
+               for b in (["-"] if spec.partition(":")[0] in budget_free else suite.budgets)]
     if reproducible and not hasattr(runner, "invariant"):
         raise SpeculumError("the reproducible mode needs the native runner")
     exact = runner.invariant() if reproducible else runner
@@ -181,11 +169,12 @@ def run_longctx(model, tokenizer, lengths: list[int], tasks: list[str], policies
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     records: list[LongRecord] = []
-    work = [(length, task, seed) for length in lengths for task in tasks for seed in range(samples)]
+    work = [(length, task, seed) for length in suite.lengths for task in suite.tasks for seed in range(suite.samples)]
     bar = tqdm(total=len(work) * len(configs), desc="longctx", unit="run", disable=not progress)
     warm = False
     for length, task, seed in work:
-        t = make_task(task, min(length, max_pos - 128), seed, count, values)  # room for the answer at the limit
+        # at the model's limit, room for the answer
+        t = make_task(task, min(length, max_pos - 128), seed, count, tuple(suite.values))
         ids, query_start = encode_task(tokenizer, t, chat)
         if len(ids) + t.max_new_tokens >= max_pos:
             raise SpeculumError(f"a {len(ids)}-token prompt does not fit the model's context ({max_pos})")

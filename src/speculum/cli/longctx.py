@@ -83,8 +83,7 @@ def run(args) -> int:
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE))
     model, tok = load(args.model, args.dtype, args.device)
     release_if_native(model)  # the suite runs nothing else
-    records = run_longctx(model, tok, suite.lengths, suite.tasks, suite.policies, suite.budgets, suite.samples,
-                          args.protocol, args.chat, values=tuple(suite.values), kv_drafts=kv_drafts,
+    records = run_longctx(model, tok, suite, args.protocol, args.chat, kv_drafts=kv_drafts,
                           reproducible=args.reproducible)
     meta = {"command": "speculum " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "model": args.model,
             "values": suite.values, "dtype": dtype_name(next(model.parameters()).dtype), "protocol": args.protocol,
