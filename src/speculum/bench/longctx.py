@@ -35,6 +35,7 @@ from ..kv import Budget, make_policy
 from ..process_memory import return_freed_memory
 from ..prompts import has_chat_template
 from ..runners import runner_for, under_policy
+from .report import write_files
 from .ruler import TASKS, LongTask, make_task, string_match_all
 
 PROTOCOLS = ("aware", "agnostic")
@@ -287,12 +288,11 @@ def accuracy_plot(rows: list[dict], path: str | Path) -> None:
 def write_outputs(out_dir: str | Path, records: list[LongRecord], meta: dict) -> list[dict]:
     """``results.json`` (rows with the issue's fields, plus per-run records and run metadata),
     ``results.md`` and ``accuracy.png`` in ``out_dir``; returns the rows."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     rows = summarize(records)
-    (out / "results.json").write_text(json.dumps(rows, indent=1))
-    (out / "records.json").write_text(json.dumps({"meta": meta, "records": [asdict(r) for r in records]}, indent=1))
-    (out / "results.md").write_text(f"# speculum longctx ({time.strftime('%Y-%m-%d')})\n\n"
-                                    f"`{meta.get('command', '')}`\n\n" + markdown(rows))
+    out = write_files(out_dir, {
+        "results.json": json.dumps(rows, indent=1),
+        "records.json": json.dumps({"meta": meta, "records": [asdict(r) for r in records]}, indent=1),
+        "results.md": f"# speculum longctx ({time.strftime('%Y-%m-%d')})\n\n`{meta.get('command', '')}`\n\n"
+                      + markdown(rows)})
     accuracy_plot(rows, out / "accuracy.png")
     return rows

@@ -7,6 +7,15 @@ from pathlib import Path
 from ..figures import save, subplots
 
 
+def write_files(out_dir: str | Path, files: dict[str, str]) -> Path:
+    """``out_dir`` (made if missing) with each text of ``files`` written to its name there."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (out / name).write_text(text)
+    return out
+
+
 def _fmt(x, digits=2, suffix=""):
     return "–" if x is None else f"{x:.{digits}f}{suffix}"
 

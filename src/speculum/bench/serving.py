@@ -36,6 +36,7 @@ from tqdm import tqdm
 from ..errors import SpeculumError
 from ..figures import save, subplots
 from .data import Prompt
+from .report import write_files
 
 SYSTEM_PROMPT = ("You are a helpful, careful assistant. Answer the user's request directly and accurately, "
                  "in plain language, without repeating the question.")
@@ -222,9 +223,7 @@ def serving_table(runs: dict[str, dict]) -> str:
 def write_serving(out_dir: str | Path, label: str, run: dict, meta: dict, include: list[str] = ()) -> tuple[str, Path]:
     """Write ``results.json`` (this run), ``results.md`` and ``serving.png`` (this run beside ``include``d
     ones). Returns the table and the directory."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({**meta, "label": label, **run}, indent=2))
+    out = write_files(out_dir, {"results.json": json.dumps({**meta, "label": label, **run}, indent=2)})
     runs = {}
     for path in include:
         p = Path(path)

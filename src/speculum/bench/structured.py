@@ -46,6 +46,7 @@ from ..prompts import encode_prompt
 from ..result import FinishReason
 from ..runners import runner_for
 from .data import read_jsonl
+from .report import write_files
 
 PROMPT = ("Reply with one JSON object that follows this JSON schema, with realistic values. "
           "Output only the JSON.\nSchema: {schema}")
@@ -299,16 +300,11 @@ def markdown(summary: dict, cov: list[dict], used: list[SchemaCase], meta: dict)
 
 def write_structured(out_dir: str | Path, summary: dict, records: list[StructuredRecord], cov: list[dict],
                      used: list[SchemaCase], meta: dict) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     full = {**meta, "coverage": {"compiled": sum(r["ok"] for r in cov), "total": len(cov), "rows": cov},
             "schemas_run": [c.id for c in used], "methods": summary}
-    (out / "results.json").write_text(json.dumps(full, indent=2))
-    with (out / "per_schema.jsonl").open("w") as fh:
-        for r in records:
-            fh.write(json.dumps({**asdict(r), "tok_s": round(r.tok_s, 3)}) + "\n")
-    (out / "results.md").write_text(markdown(summary, cov, used, meta))
-    return out
+    per_schema = "".join(json.dumps({**asdict(r), "tok_s": round(r.tok_s, 3)}) + "\n" for r in records)
+    return write_files(out_dir, {"results.json": json.dumps(full, indent=2), "per_schema.jsonl": per_schema,
+                                 "results.md": markdown(summary, cov, used, meta)})
 
 
 # no grammar support, or a second model
