@@ -46,7 +46,7 @@ from ..prompts import encode_prompt
 from ..result import FinishReason
 from ..runners import runner_for
 from .data import read_jsonl
-from .report import write_files
+from .report import fmt, write_files
 
 PROMPT = ("Reply with one JSON object that follows this JSON schema, with realistic values. "
           "Output only the JSON.\nSchema: {schema}")
@@ -277,20 +277,16 @@ def markdown(summary: dict, cov: list[dict], used: list[SchemaCase], meta: dict)
                "ratio (all tokens / all time) | "
                "speedup vs hf (constrained, with prefill) | mean accepted | forced tokens | mask µs/token | new tokens |"),
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-
-    def f(x, d=2, suf=""):
-        return "–" if x is None else f"{x:.{d}f}{suf}"
-
     for m, s in summary.items():
-        lines.append(f"| {m} | {f(100 * s['valid'], 0, '%')} | {f(100 * s['finished'], 0, '%')} | "
-                     f"{f(100 * s['closed'], 0, '%')} | {f(100 * s['valid_unconstrained'], 0, '%')} | "
-                     f"{f(s['decode_tok_s'], 1)} | {f(s['decode_tok_s_unconstrained'], 1)} | {f(s['decode_ratio'])} | "
-                     f"{f(s['tok_s'], 1)} | {f(s['tok_s_unconstrained'], 1)} | "
-                     f"{f(s['constrained_over_unconstrained'])} | {f(s['overall_ratio'])} | "
-                     f"{f(s['speedup_vs_hf'], 2, 'x')} | "
-                     f"{f(s['mean_accepted'])} | "
-                     f"{'–' if s['forced_frac'] is None else f(100 * s['forced_frac'], 0, '%')} | "
-                     f"{f(s['mask_us_per_token'], 0)} | {f(s['mean_new_tokens'], 0)} |")
+        lines.append(f"| {m} | {fmt(100 * s['valid'], 0, '%')} | {fmt(100 * s['finished'], 0, '%')} | "
+                     f"{fmt(100 * s['closed'], 0, '%')} | {fmt(100 * s['valid_unconstrained'], 0, '%')} | "
+                     f"{fmt(s['decode_tok_s'], 1)} | {fmt(s['decode_tok_s_unconstrained'], 1)} | {fmt(s['decode_ratio'])} | "
+                     f"{fmt(s['tok_s'], 1)} | {fmt(s['tok_s_unconstrained'], 1)} | "
+                     f"{fmt(s['constrained_over_unconstrained'])} | {fmt(s['overall_ratio'])} | "
+                     f"{fmt(s['speedup_vs_hf'], 2, 'x')} | "
+                     f"{fmt(s['mean_accepted'])} | "
+                     f"{'–' if s['forced_frac'] is None else fmt(100 * s['forced_frac'], 0, '%')} | "
+                     f"{fmt(s['mask_us_per_token'], 0)} | {fmt(s['mean_new_tokens'], 0)} |")
     lines += ["", ("Decode tok/s: all generated tokens over all decoding time, the prompt's prefill left out (the "
               "same prompt is prefilled in both modes). With prefill: the mean over schemas of tokens / total "
               "time, which falls when the constrained answer is short. All tokens / all time: prefill "
