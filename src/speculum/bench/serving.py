@@ -47,17 +47,13 @@ QUESTIONS = ["Name three rivers in Europe.", "What is 12 times 12?", "Give a syn
              "Translate 'good morning' to Spanish.", "Describe a cat in one sentence."]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalServer:
     """``speculum serve`` as a subprocess on a free loopback port (a context manager)."""
 
     def __init__(self, args: list[str], startup_s: float = 900.0):
-        self.port = free_port()
+        with socket.socket() as s:  # a free port
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "speculum", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--no-access-log", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -95,7 +95,6 @@ def run(args) -> int:
     from ..bench.data import demo_prompts_path, load_prompts, repeated_prompts_path, repeated_workload
     from ..bench.harness import bench_meta, run_benchmark, write_outputs
     from ..bench.report import markdown_table
-    from ..models import parse_dtype
 
     if args.workload == "serving":
         return _bench_serving(args)
@@ -112,7 +111,6 @@ def run(args) -> int:
         raise SpeculumError("--methods lists a method twice")
     if args.max_new_tokens < 1:
         raise SpeculumError("--max-new-tokens must be at least 1")
-    parse_dtype(args.dtype)
     sampling = sampling_params(args)
     if args.workload == "structured":
         from ..bench.structured import bench_structured, check_settings
