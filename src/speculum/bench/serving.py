@@ -122,24 +122,17 @@ def run_level(client, model: str, prompts: list[Prompt], concurrency: int, reque
               max_tokens: int, progress, offset: int = 0) -> dict:
     """``requests`` requests from ``concurrency`` threads (prompts ``offset ..`` of ``prompts``,
     wrapping), each ticking the ``progress`` bar; the summary of one table row."""
-    lock, nxt, out = threading.Lock(), [0], []
+    lock = threading.Lock()
 
-    def worker() -> None:
-        while True:
-            with lock:
-                i = nxt[0]
-                if i >= requests:
-                    return
-                nxt[0] += 1
-            r = _one(client, model, _messages(prompts[(offset + i) % len(prompts)], i), max_tokens)
-            with lock:
-                out.append(r)
-                progress.update()
+    def request(i: int) -> dict:
+        r = _one(client, model, _messages(prompts[(offset + i) % len(prompts)], i), max_tokens)
+        with lock:
+            progress.update()
+        return r
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        for f in [pool.submit(worker) for _ in range(concurrency)]:
-            f.result()
+    with ThreadPoolExecutor(concurrency) as pool:  # a thread takes the next request as its last one ends
+        out = list(pool.map(request, range(requests)))
     wall = time.perf_counter() - t0
     ok = [r for r in out if r["ok"]]
     tokens = sum(r["tokens"] for r in ok)
