@@ -43,9 +43,7 @@ def resolve_weights(model: str, weights: str | None = None, device: str | None =
     cpu = device.startswith("cpu")
     reason = lambda: unsupported_reason(config if config is not None else load_tokenizer_and_config(model)[1])
     if weights == "auto":
-        if kind != "gguf" or not cpu:
-            return "float"
-        return "float" if reason() else "gguf"
+        return "float" if kind != "gguf" or not cpu or reason() else "gguf"
     if weights == "float":
         return weights
     if weights == "gguf" and kind != "gguf":
@@ -78,14 +76,11 @@ def load(model: str = "default", dtype: str | torch.dtype | None = None, device:
     if resolve(model)[0] == "gguf":  # read once: resolve_weights and the GGUF loader both need it
         tok, config = load_tokenizer_and_config(model)
     weights = resolve_weights(model, weights, device, config)
+    auto = dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto")
+    torch_dtype = torch.float32 if auto else parse_dtype(dtype)  # quantized weights' kernels compute in float32
     if weights == "float":
         lm, tokenizer = load_float(model, dtype, device, tokenizer)
-        lm.speculum_weights = "float"
-        return lm, tokenizer
-    if dtype is None or (isinstance(dtype, str) and dtype.lower() == "auto"):
-        dtype = torch.float32
-    torch_dtype = parse_dtype(dtype, "cpu")
-    if weights == "gguf":
+    elif weights == "gguf":
         from .weights.gguf_load import load_gguf_quantized
 
         try:

@@ -31,6 +31,26 @@ def task_of(category: str) -> str:
     return "mt_bench" if category in MT_BENCH_CATEGORIES else category
 
 
+def read_jsonl(path: str | Path, what: str, items: str, make, bad: str) -> list:
+    """``make(row, line number)`` for each non-blank line of the JSONL file ``path``; a
+    :class:`SpeculumError` for a missing ``what`` file, a line that is not a row (``bad``, formatted
+    with the error as ``e``) or a file without ``items``."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpeculumError(f"{what} {path} does not exist")
+    out = []
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    out.append(make(json.loads(line), lineno))
+                except (ValueError, KeyError, IndexError, TypeError) as e:
+                    raise SpeculumError(f"{path}:{lineno}: {bad.format(e=e)}") from None
+    if not out:
+        raise SpeculumError(f"{path} holds no {items}")
+    return out
+
+
 def demo_prompts_path() -> Path:
     """The small bundled prompt set (two per task) that ``make demo`` runs."""
     return Path(str(files("speculum.bench").joinpath("demo_prompts.jsonl")))
@@ -42,23 +62,12 @@ def load_prompts(path: str | Path, per_task: int | None = None) -> list[Prompt]:
     For ``mt_bench`` the N are spread over its categories (round robin in file order), so a
     small N still mixes writing, reasoning, coding, ...
     """
-    path = Path(path)
-    if not path.is_file():
-        raise SpeculumError(f"benchmark data {path} does not exist")
-    prompts: list[Prompt] = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                text = row["turns"][0]
-                category = row["category"]
-            except (ValueError, KeyError, IndexError, TypeError):
-                raise SpeculumError(f"{path}:{lineno}: not a Spec-Bench record (needs category and turns)") from None
-            prompts.append(Prompt(str(row.get("question_id", lineno)), task_of(category), category, text))
-    if not prompts:
-        raise SpeculumError(f"{path} holds no prompts")
+    def prompt(row: dict, lineno: int) -> Prompt:
+        category = row["category"]
+        return Prompt(str(row.get("question_id", lineno)), task_of(category), category, row["turns"][0])
+
+    prompts = read_jsonl(path, "benchmark data", "prompts", prompt,
+                         "not a Spec-Bench record (needs category and turns)")
     if per_task is None:
         return prompts
     if per_task < 1:

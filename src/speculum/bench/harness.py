@@ -160,21 +160,16 @@ def summarize(records: list[Record], methods: list[str]) -> dict:
 
 def write_outputs(out_dir: str | Path, results: dict, records: list[Record], meta: dict) -> Path:
     """Write ``results.json``, ``results.md``, ``speedup.png`` and ``per_prompt.jsonl`` into ``out_dir``."""
-    from .report import markdown_table, speedup_plot
+    from .report import markdown_table, speedup_plot, write_files
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     full = {**meta, **results}
-    (out / "results.json").write_text(json.dumps(full, indent=2))
     ar_tokens = {r.question_id: r.tokens for r in records if r.method == "ar"}
-    with (out / "per_prompt.jsonl").open("w") as f:
-        for r in records:
-            same = r.tokens == ar_tokens[r.question_id] if r.question_id in ar_tokens else None
-            f.write(json.dumps({"method": r.method, "question_id": r.question_id, "task": r.task,
-                                "new_tokens": r.new_tokens, "forwards": r.forwards,
-                                "time_s": round(r.time_s, 4), "tok_s": round(r.tok_s, 3),
-                                "identical_to_ar": same}) + "\n")
-    (out / "results.md").write_text(markdown_table(full))
+    per_prompt = [{"method": r.method, "question_id": r.question_id, "task": r.task, "new_tokens": r.new_tokens,
+                   "forwards": r.forwards, "time_s": round(r.time_s, 4), "tok_s": round(r.tok_s, 3),
+                   "identical_to_ar": r.tokens == ar_tokens[r.question_id] if r.question_id in ar_tokens else None}
+                  for r in records]
+    out = write_files(out_dir, {"results.json": json.dumps(full, indent=2), "results.md": markdown_table(full),
+                                "per_prompt.jsonl": "".join(json.dumps(row) + "\n" for row in per_prompt)})
     speedup_plot(full, out / "speedup.png")
     return out
 

@@ -20,6 +20,7 @@ import json
 import statistics
 import time
 from collections import defaultdict
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from ..kv import Budget, make_policy
 from ..process_memory import return_freed_memory
 from ..prompts import has_chat_template
 from ..runners import runner_for, under_policy
+from .report import write_files
 from .ruler import TASKS, LongTask, make_task, string_match_all
 
 PROTOCOLS = ("aware", "agnostic")
@@ -104,26 +106,19 @@ class LongRecord:
     time_s: float = 0.0  # prefill + decode, wall
 
 
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark of this process (Linux ``clear_refs``); False if unavailable."""
+def reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS mark of this process (Linux ``clear_refs``; elsewhere nothing)."""
     return_freed_memory()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    with suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def peak_rss(field: str = "VmHWM") -> int | None:
     """``VmHWM`` (peak) or ``VmRSS`` (current) resident memory of this process in bytes (None off Linux)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
     return None
 
 
@@ -143,11 +138,9 @@ def encode_task(tokenizer, t: LongTask, chat: bool | None = None) -> tuple[list[
     return first + tokenizer(tail, add_special_tokens=False)["input_ids"], len(first)
 
 
-def run_longctx(model, tokenizer, lengths: list[int], tasks: list[str], policies: list[str],
-                budgets: list[str], samples: int = 2, protocol: str = "aware", chat: bool | None = None,
-                progress: bool = True, values: tuple[str, ...] = ("number",),
-                kv_drafts: tuple[str, ...] = (), reproducible: bool = False) -> list[LongRecord]:
-    """Run the suite; returns one record per (sample, policy, budget). ``values``: needle value kinds.
+def run_longctx(model, tokenizer, suite: Suite, protocol: str = "aware", chat: bool | None = None,
+                progress: bool = True, kv_drafts: tuple[str, ...] = (), reproducible: bool = False) -> list[LongRecord]:
+    """Run the suite; returns one record per (sample, policy, budget).
     ``kv_drafts``: lossless rows, the full cache verifying drafts from a compressed view
     (:mod:`speculum.drafters.kv_draft`; ``"streaming:window=256,bits=4"``), each named ``kv_draft:SPEC``.
     ``reproducible``: ``full`` and the kv-draft rows run in the reproducible mode (chains verified with
@@ -157,13 +150,9 @@ def run_longctx(model, tokenizer, lengths: list[int], tasks: list[str], policies
         raise SpeculumError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
     runner = runner_for(model)
     max_pos = runner.max_positions
-    configs: list[tuple[str, str]] = []
-    for spec in policies:
-        name = spec.partition(":")[0]
-        if name in ("full", "kv_quant"):  # no budget applies
-            configs.append((spec, "-"))
-        else:
-            configs += [(spec, b) for b in budgets]
+    budget_free = ("full", "kv_quant")  # no budget applies
+    configs = [(spec, b) for spec in suite.policies
+               for b in (["-"] if spec.partition(":")[0] in budget_free else suite.budgets)]
     if reproducible and not hasattr(runner, "invariant"):
         raise SpeculumError("the reproducible mode needs the native runner")
     exact = runner.invariant() if reproducible else runner
@@ -181,11 +170,12 @@ def run_longctx(model, tokenizer, lengths: list[int], tasks: list[str], policies
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     records: list[LongRecord] = []
-    work = [(length, task, seed) for length in lengths for task in tasks for seed in range(samples)]
+    work = [(length, task, seed) for length in suite.lengths for task in suite.tasks for seed in range(suite.samples)]
     bar = tqdm(total=len(work) * len(configs), desc="longctx", unit="run", disable=not progress)
     warm = False
     for length, task, seed in work:
-        t = make_task(task, min(length, max_pos - 128), seed, count, values)  # room for the answer at the limit
+        # at the model's limit, room for the answer
+        t = make_task(task, min(length, max_pos - 128), seed, count, tuple(suite.values))
         ids, query_start = encode_task(tokenizer, t, chat)
         if len(ids) + t.max_new_tokens >= max_pos:
             raise SpeculumError(f"a {len(ids)}-token prompt does not fit the model's context ({max_pos})")
@@ -288,10 +278,8 @@ def accuracy_plot(rows: list[dict], path: str | Path) -> None:
         for policy in sorted({r["policy"] for r in here}):
             pts = sorted((budget_fraction(r, full_bytes), r["accuracy"]) for r in here if r["policy"] == policy)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy, alpha=0.8)
-        ax.set_title(f"{length} tokens")
-        ax.set_xlabel("KV budget (fraction of context kept, read, or of full bytes)")
-        ax.set_ylabel("accuracy (%)")
-        ax.set_ylim(-5, 105)
+        ax.set(title=f"{length} tokens", xlabel="KV budget (fraction of context kept, read, or of full bytes)",
+               ylabel="accuracy (%)", ylim=(-5, 105))
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8)
     save(fig, path)
@@ -300,12 +288,11 @@ def accuracy_plot(rows: list[dict], path: str | Path) -> None:
 def write_outputs(out_dir: str | Path, records: list[LongRecord], meta: dict) -> list[dict]:
     """``results.json`` (rows with the issue's fields, plus per-run records and run metadata),
     ``results.md`` and ``accuracy.png`` in ``out_dir``; returns the rows."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     rows = summarize(records)
-    (out / "results.json").write_text(json.dumps(rows, indent=1))
-    (out / "records.json").write_text(json.dumps({"meta": meta, "records": [asdict(r) for r in records]}, indent=1))
-    (out / "results.md").write_text(f"# speculum longctx ({time.strftime('%Y-%m-%d')})\n\n"
-                                    f"`{meta.get('command', '')}`\n\n" + markdown(rows))
+    out = write_files(out_dir, {
+        "results.json": json.dumps(rows, indent=1),
+        "records.json": json.dumps({"meta": meta, "records": [asdict(r) for r in records]}, indent=1),
+        "results.md": f"# speculum longctx ({time.strftime('%Y-%m-%d')})\n\n`{meta.get('command', '')}`\n\n"
+                      + markdown(rows)})
     accuracy_plot(rows, out / "accuracy.png")
     return rows

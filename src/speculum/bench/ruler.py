@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "passkey",
          "variable_tracking", "common_words")
-RETRIEVAL_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "passkey")
 
 NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 WORDS = ("apple", "river", "candle", "marble", "violin", "harbor", "meadow", "lantern", "pepper", "saddle",
@@ -106,32 +105,26 @@ def make_task(task: str, length: int, seed: int, count_tokens, values: tuple[str
         key = str(rng.randrange(10_000, 100_000))
         needles = [f"The pass key is {key}. Remember it. {key} is the pass key."]
         question, prefix, expected, max_new = "What is the number of the pass key?", "The pass key number is", [key], 16
-    elif task == "niah_single":
-        value = _value(rng, kind)
-        needles = [f"One of the special magic {kind}s for {keys[0]} is: {value}."]
-        question = f"What is the special magic {kind} for {keys[0]} mentioned in the provided text?"
-        prefix, expected = f"The special magic {kind} for {keys[0]} mentioned in the provided text is", [value]
-    elif task == "niah_multikey":
-        values = [_value(rng, kind) for _ in keys]
-        needles = [f"One of the special magic {kind}s for {k} is: {v}." for k, v in zip(keys, values)]
-        asked = rng.randrange(4)
-        question = f"What is the special magic {kind} for {keys[asked]} mentioned in the provided text?"
-        prefix = f"The special magic {kind} for {keys[asked]} mentioned in the provided text is"
-        expected = [values[asked]]
-    elif task == "niah_multivalue":
-        values = [_value(rng, kind) for _ in range(4)]
-        needles = [f"One of the special magic {kind}s for {keys[0]} is: {v}." for v in values]
-        question = f"What are all the special magic {kind}s for {keys[0]} mentioned in the provided text?"
-        prefix, expected = f"The special magic {kind}s for {keys[0]} mentioned in the provided text are", values
-        max_new *= 3
-    elif task == "niah_multiquery":
-        values = [_value(rng, kind) for _ in keys]
-        needles = [f"One of the special magic {kind}s for {k} is: {v}." for k, v in zip(keys, values)]
-        a, b = rng.sample(range(4), 2)
-        question = (f"What are the special magic {kind}s for {keys[a]} and {keys[b]} mentioned in the "
-                    "provided text?")
-        prefix = f"The special magic {kind}s for {keys[a]} and {keys[b]} mentioned in the provided text are"
-        expected, max_new = [values[a], values[b]], max_new * 2
+    elif task.startswith("niah"):
+        # the needles: one key's value (single), one key's four values (multivalue), or four keys' values
+        needle_keys = {"niah_single": keys[:1], "niah_multivalue": keys[:1] * 4}.get(task, keys)
+        values = [_value(rng, kind) for _ in needle_keys]
+        needles = [f"One of the special magic {kind}s for {k} is: {v}." for k, v in zip(needle_keys, values)]
+        if task == "niah_multivalue":
+            question = f"What are all the special magic {kind}s for {keys[0]} mentioned in the provided text?"
+            prefix, expected = f"The special magic {kind}s for {keys[0]} mentioned in the provided text are", values
+            max_new *= 3
+        elif task == "niah_multiquery":
+            a, b = rng.sample(range(4), 2)
+            question = (f"What are the special magic {kind}s for {keys[a]} and {keys[b]} mentioned in the "
+                        "provided text?")
+            prefix = f"The special magic {kind}s for {keys[a]} and {keys[b]} mentioned in the provided text are"
+            expected, max_new = [values[a], values[b]], max_new * 2
+        else:  # one key asked: the only one (single) or one of four (multikey)
+            asked = rng.randrange(4) if task == "niah_multikey" else 0
+            question = f"What is the special magic {kind} for {keys[asked]} mentioned in the provided text?"
+            prefix = f"The special magic {kind} for {keys[asked]} mentioned in the provided text is"
+            expected = [values[asked]]
     elif task == "variable_tracking":
         value = str(rng.randrange(10_000, 100_000))
         names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)) for _ in range(4)]

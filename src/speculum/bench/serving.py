@@ -36,6 +36,7 @@ from tqdm import tqdm
 from ..errors import SpeculumError
 from ..figures import save, subplots
 from .data import Prompt
+from .report import write_files
 
 SYSTEM_PROMPT = ("You are a helpful, careful assistant. Answer the user's request directly and accurately, "
                  "in plain language, without repeating the question.")
@@ -46,17 +47,13 @@ QUESTIONS = ["Name three rivers in Europe.", "What is 12 times 12?", "Give a syn
              "Translate 'good morning' to Spanish.", "Describe a cat in one sentence."]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalServer:
     """``speculum serve`` as a subprocess on a free loopback port (a context manager)."""
 
     def __init__(self, args: list[str], startup_s: float = 900.0):
-        self.port = free_port()
+        with socket.socket() as s:  # a free port
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "speculum", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--no-access-log", *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -125,24 +122,17 @@ def run_level(client, model: str, prompts: list[Prompt], concurrency: int, reque
               max_tokens: int, progress, offset: int = 0) -> dict:
     """``requests`` requests from ``concurrency`` threads (prompts ``offset ..`` of ``prompts``,
     wrapping), each ticking the ``progress`` bar; the summary of one table row."""
-    lock, nxt, out = threading.Lock(), [0], []
+    lock = threading.Lock()
 
-    def worker() -> None:
-        while True:
-            with lock:
-                i = nxt[0]
-                if i >= requests:
-                    return
-                nxt[0] += 1
-            r = _one(client, model, _messages(prompts[(offset + i) % len(prompts)], i), max_tokens)
-            with lock:
-                out.append(r)
-                progress.update()
+    def request(i: int) -> dict:
+        r = _one(client, model, _messages(prompts[(offset + i) % len(prompts)], i), max_tokens)
+        with lock:
+            progress.update()
+        return r
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        for f in [pool.submit(worker) for _ in range(concurrency)]:
-            f.result()
+    with ThreadPoolExecutor(concurrency) as pool:  # a thread takes the next request as its last one ends
+        out = list(pool.map(request, range(requests)))
     wall = time.perf_counter() - t0
     ok = [r for r in out if r["ok"]]
     tokens = sum(r["tokens"] for r in ok)
@@ -222,9 +212,7 @@ def serving_table(runs: dict[str, dict]) -> str:
 def write_serving(out_dir: str | Path, label: str, run: dict, meta: dict, include: list[str] = ()) -> tuple[str, Path]:
     """Write ``results.json`` (this run), ``results.md`` and ``serving.png`` (this run beside ``include``d
     ones). Returns the table and the directory."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({**meta, "label": label, **run}, indent=2))
+    out = write_files(out_dir, {"results.json": json.dumps({**meta, "label": label, **run}, indent=2)})
     runs = {}
     for path in include:
         p = Path(path)
@@ -242,18 +230,13 @@ def write_serving(out_dir: str | Path, label: str, run: dict, meta: dict, includ
 
 def plot_serving(runs: dict[str, dict], path: Path) -> None:
     """Left: total tok/s against clients; right: p99 time to first token against clients."""
-    fig, (left, right) = subplots(1, 2, figsize=(11, 4))
-    for label, run in runs.items():
-        xs = [r["concurrency"] for r in run["rows"]]
-        left.plot(xs, [r["tok_s"] for r in run["rows"]], marker="o", label=label)
-        right.plot(xs, [r["ttft_p99_s"] for r in run["rows"]], marker="o", label=label)
-    left.set_xlabel("concurrent clients")
-    left.set_ylabel("generated tokens / s (all clients)")
-    left.set_title("throughput")
-    right.set_xlabel("concurrent clients")
-    right.set_ylabel("time to first token, p99 (s)")
-    right.set_title("latency")
-    for ax in (left, right):
+    fig, axes = subplots(1, 2, figsize=(11, 4))
+    panels = (("tok_s", "generated tokens / s (all clients)", "throughput"),
+              ("ttft_p99_s", "time to first token, p99 (s)", "latency"))
+    for ax, (key, ylabel, title) in zip(axes, panels):
+        for label, run in runs.items():
+            ax.plot([r["concurrency"] for r in run["rows"]], [r[key] for r in run["rows"]], marker="o", label=label)
+        ax.set(xlabel="concurrent clients", ylabel=ylabel, title=title)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     save(fig, path)

@@ -45,6 +45,8 @@ from ..methods import build_method
 from ..prompts import encode_prompt
 from ..result import FinishReason
 from ..runners import runner_for
+from .data import read_jsonl
+from .report import fmt, write_files
 
 PROMPT = ("Reply with one JSON object that follows this JSON schema, with realistic values. "
           "Output only the JSON.\nSchema: {schema}")
@@ -82,21 +84,9 @@ class StructuredRecord:
 
 
 def load_schemas(path: str | Path) -> list[SchemaCase]:
-    path = Path(path)
-    if not path.is_file():
-        raise SpeculumError(f"schema file {path} does not exist")
-    cases = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            cases.append(SchemaCase(str(row["id"]), str(row.get("dataset", "")), row["schema"]))
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise SpeculumError(f"{path}:{n}: not a JSONSchemaBench row ({e})") from None
-    if not cases:
-        raise SpeculumError(f"{path} holds no schemas")
-    return cases
+    return read_jsonl(path, "schema file", "schemas",
+                      lambda row, _: SchemaCase(str(row["id"]), str(row.get("dataset", "")), row["schema"]),
+                      "not a JSONSchemaBench row ({e})")
 
 
 def features(schema) -> set[str]:
@@ -287,20 +277,16 @@ def markdown(summary: dict, cov: list[dict], used: list[SchemaCase], meta: dict)
                "ratio (all tokens / all time) | "
                "speedup vs hf (constrained, with prefill) | mean accepted | forced tokens | mask µs/token | new tokens |"),
               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-
-    def f(x, d=2, suf=""):
-        return "–" if x is None else f"{x:.{d}f}{suf}"
-
     for m, s in summary.items():
-        lines.append(f"| {m} | {f(100 * s['valid'], 0, '%')} | {f(100 * s['finished'], 0, '%')} | "
-                     f"{f(100 * s['closed'], 0, '%')} | {f(100 * s['valid_unconstrained'], 0, '%')} | "
-                     f"{f(s['decode_tok_s'], 1)} | {f(s['decode_tok_s_unconstrained'], 1)} | {f(s['decode_ratio'])} | "
-                     f"{f(s['tok_s'], 1)} | {f(s['tok_s_unconstrained'], 1)} | "
-                     f"{f(s['constrained_over_unconstrained'])} | {f(s['overall_ratio'])} | "
-                     f"{f(s['speedup_vs_hf'], 2, 'x')} | "
-                     f"{f(s['mean_accepted'])} | "
-                     f"{'–' if s['forced_frac'] is None else f(100 * s['forced_frac'], 0, '%')} | "
-                     f"{f(s['mask_us_per_token'], 0)} | {f(s['mean_new_tokens'], 0)} |")
+        lines.append(f"| {m} | {fmt(100 * s['valid'], 0, '%')} | {fmt(100 * s['finished'], 0, '%')} | "
+                     f"{fmt(100 * s['closed'], 0, '%')} | {fmt(100 * s['valid_unconstrained'], 0, '%')} | "
+                     f"{fmt(s['decode_tok_s'], 1)} | {fmt(s['decode_tok_s_unconstrained'], 1)} | {fmt(s['decode_ratio'])} | "
+                     f"{fmt(s['tok_s'], 1)} | {fmt(s['tok_s_unconstrained'], 1)} | "
+                     f"{fmt(s['constrained_over_unconstrained'])} | {fmt(s['overall_ratio'])} | "
+                     f"{fmt(s['speedup_vs_hf'], 2, 'x')} | "
+                     f"{fmt(s['mean_accepted'])} | "
+                     f"{'–' if s['forced_frac'] is None else fmt(100 * s['forced_frac'], 0, '%')} | "
+                     f"{fmt(s['mask_us_per_token'], 0)} | {fmt(s['mean_new_tokens'], 0)} |")
     lines += ["", ("Decode tok/s: all generated tokens over all decoding time, the prompt's prefill left out (the "
               "same prompt is prefilled in both modes). With prefill: the mean over schemas of tokens / total "
               "time, which falls when the constrained answer is short. All tokens / all time: prefill "
@@ -310,16 +296,11 @@ def markdown(summary: dict, cov: list[dict], used: list[SchemaCase], meta: dict)
 
 def write_structured(out_dir: str | Path, summary: dict, records: list[StructuredRecord], cov: list[dict],
                      used: list[SchemaCase], meta: dict) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     full = {**meta, "coverage": {"compiled": sum(r["ok"] for r in cov), "total": len(cov), "rows": cov},
             "schemas_run": [c.id for c in used], "methods": summary}
-    (out / "results.json").write_text(json.dumps(full, indent=2))
-    with (out / "per_schema.jsonl").open("w") as fh:
-        for r in records:
-            fh.write(json.dumps({**asdict(r), "tok_s": round(r.tok_s, 3)}) + "\n")
-    (out / "results.md").write_text(markdown(summary, cov, used, meta))
-    return out
+    per_schema = "".join(json.dumps({**asdict(r), "tok_s": round(r.tok_s, 3)}) + "\n" for r in records)
+    return write_files(out_dir, {"results.json": json.dumps(full, indent=2), "per_schema.jsonl": per_schema,
+                                 "results.md": markdown(summary, cov, used, meta)})
 
 
 # no grammar support, or a second model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 from ..errors import SpeculumError
 from ..methods import ENGINE_METHODS, METHODS
@@ -94,7 +95,6 @@ def run(args) -> int:
     from ..bench.data import demo_prompts_path, load_prompts, repeated_prompts_path, repeated_workload
     from ..bench.harness import bench_meta, run_benchmark, write_outputs
     from ..bench.report import markdown_table
-    from ..models import parse_dtype
 
     if args.workload == "serving":
         return _bench_serving(args)
@@ -111,7 +111,6 @@ def run(args) -> int:
         raise SpeculumError("--methods lists a method twice")
     if args.max_new_tokens < 1:
         raise SpeculumError("--max-new-tokens must be at least 1")
-    parse_dtype(args.dtype)
     sampling = sampling_params(args)
     if args.workload == "structured":
         from ..bench.structured import bench_structured, check_settings
@@ -183,22 +182,16 @@ def _bench_serving(args) -> int:
                          "model": args.model, "dtype": args.dtype, "method": method, "url": args.url,
                          "max_batch": args.max_batch, "engines": args.engines, "system_tokens": args.system_tokens,
                          "tasks": args.tasks}}
-    if args.url is not None:
-        label = args.label or args.url
-        run = run_serving(args.url, args.model, prompts, levels, args.requests, max_tokens, args.system_tokens,
-                          progress=not args.no_progress)
-    else:
-        serve = ["--model", args.model, "--dtype", args.dtype, "--method", method,
-                 "--max-queue", str(max(levels) * 2)]
-        if args.max_batch is not None:
-            serve += ["--max-batch", str(args.max_batch)]
-        if args.engines is not None:
-            serve += ["--engines", str(args.engines)]
-        label = args.label or f"speculum {method}" + "".join(
-            f" ({flag} {value})" for flag, value in (("max-batch", args.max_batch), ("engines", args.engines)) if value)
-        with LocalServer(serve) as server:
-            run = run_serving(server.url, args.model, prompts, levels, args.requests, max_tokens,
-                              args.system_tokens, progress=not args.no_progress)
+    options = {"max-batch": args.max_batch, "engines": args.engines}  # speculum serve's, where given
+    serve = ["--model", args.model, "--dtype", args.dtype, "--method", method, "--max-queue", str(max(levels) * 2)]
+    for flag, value in options.items():
+        if value is not None:
+            serve += [f"--{flag}", str(value)]
+    label = args.label or (args.url if args.url is not None else f"speculum {method}" + "".join(
+        f" ({flag} {value})" for flag, value in options.items() if value))
+    with LocalServer(serve) if args.url is None else nullcontext() as server:
+        run = run_serving(server.url if server else args.url, args.model, prompts, levels, args.requests,
+                          max_tokens, args.system_tokens, progress=not args.no_progress)
     text, out = write_serving(args.out, label, run, meta, include)
     print(text)
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'serving.png'}")

@@ -13,9 +13,18 @@ def add_runner_arg(p: argparse.ArgumentParser) -> None:
                         "default). The hf* baselines always run transformers' generate.")
 
 
+def add_chat_args(p: argparse.ArgumentParser, raw_help: str = "feed the prompt as raw text") -> None:
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="apply the tokenizer's chat template (default when it has one)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help=raw_help)
+
+
 DTYPE_HELP = ("the activations' dtype (and the weights' with --weights float): auto (default: float32 with "
               "quantized weights; else bfloat16 on a GPU or on a CPU with bfloat16 instructions, AVX-512 BF16 or "
               "AMX, float32 on other CPUs, where bfloat16 is emulated and slower), bfloat16, float32 or float16")
+MODEL_HELP = ("'default' (SmolLM2-135M-Instruct, packaged), 'gemma3' (Gemma-3-270M base, packaged), "
+              "a .gguf file, a local Hugging Face directory or a hub id (default: %(default)s)")
 WEIGHTS_HELP = ("which weights the model runs: 'gguf' (a GGUF file's own quantization, on speculum's quantized "
                 "kernels, which round the activations to 8 bits per block as llama.cpp does: the bytes and the "
                 "arithmetic of llama.cpp), 'float' (dequantized to --dtype; what transformers and "
@@ -24,22 +33,22 @@ WEIGHTS_HELP = ("which weights the model runs: 'gguf' (a GGUF file's own quantiz
                 "speculative output equals that model's greedy output, not the float model's")
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default",
-                   help="'default' (SmolLM2-135M-Instruct, packaged), 'gemma3' (Gemma-3-270M base, packaged), "
-                        "a .gguf file, a local Hugging Face directory or a hub id (default: %(default)s)")
+def add_load_args(p: argparse.ArgumentParser, model_help: str = MODEL_HELP) -> None:
+    """--model, --dtype, --weights and --device: the model and how it loads."""
+    p.add_argument("--model", default="default", help=model_help)
     p.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     p.add_argument("--weights", default="auto", choices=["auto", "gguf", "float", "int8", "int4"],
                    help=WEIGHTS_HELP)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    add_load_args(p)
     p.add_argument("--draft-model", default=None,
                    help="draft model for the draft_model and hf_assisted methods (same tokenizer as --model)")
     p.add_argument("--draft-head", default=None, type=head_files, metavar=HEAD_METAVAR, help=HEAD_HELP)
     add_runner_arg(p)
-    chat = p.add_mutually_exclusive_group()
-    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
-                      help="apply the tokenizer's chat template (default when it has one)")
-    chat.add_argument("--no-chat", dest="chat", action="store_false", help="feed the prompt as raw text")
+    add_chat_args(p)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (default 1.0 = off)")
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0 = off)")

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .common import DTYPE_HELP
+from .common import DTYPE_HELP, add_chat_args
 
 
 def add_parser(sub) -> None:
@@ -61,10 +61,7 @@ def add_parser(sub) -> None:
     lc.add_argument("--model", default="default", help="as for generate (default: %(default)s)")
     lc.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     lc.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    chat_lc = lc.add_mutually_exclusive_group()
-    chat_lc.add_argument("--chat", dest="chat", action="store_true", default=None,
-                         help="apply the tokenizer's chat template (default when it has one)")
-    chat_lc.add_argument("--no-chat", dest="chat", action="store_false", help="raw text prompts")
+    add_chat_args(lc, "raw text prompts")
 
 
 def run(args) -> int:
@@ -86,8 +83,7 @@ def run(args) -> int:
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE))
     model, tok = load(args.model, args.dtype, args.device)
     release_if_native(model)  # the suite runs nothing else
-    records = run_longctx(model, tok, suite.lengths, suite.tasks, suite.policies, suite.budgets, suite.samples,
-                          args.protocol, args.chat, values=tuple(suite.values), kv_drafts=kv_drafts,
+    records = run_longctx(model, tok, suite, args.protocol, args.chat, kv_drafts=kv_drafts,
                           reproducible=args.reproducible)
     meta = {"command": "speculum " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "model": args.model,
             "values": suite.values, "dtype": dtype_name(next(model.parameters()).dtype), "protocol": args.protocol,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..methods import ENGINE_METHODS
-from .common import DTYPE_HELP, HEAD_HELP, HEAD_METAVAR, WEIGHTS_HELP, add_runner_arg, head_files
+from .common import HEAD_HELP, HEAD_METAVAR, add_load_args, add_runner_arg, head_files
 
 
 def add_parser(sub) -> None:
@@ -16,11 +16,7 @@ def add_parser(sub) -> None:
                                    "forward per step, each with its own drafter (pick one per request with "
                                    "extra_body={'speculum': {'method': 'ngram'}}); prompts sharing a prefix "
                                    "reuse its KV entries.")
-    s.add_argument("--model", default="default", help="as for generate (default: %(default)s)")
-    s.add_argument("--dtype", default="auto", help=DTYPE_HELP)
-    s.add_argument("--weights", default="auto", choices=["auto", "gguf", "float", "int8", "int4"],
-                   help=WEIGHTS_HELP)
-    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    add_load_args(s, "as for generate (default: %(default)s)")
     s.add_argument("--method", default="auto", help=f"default drafter: {', '.join(ENGINE_METHODS[:-1])} "
                                                      "(default: %(default)s)")
     s.add_argument("--draft-head", default=None, type=head_files, metavar=HEAD_METAVAR, help=HEAD_HELP)

@@ -50,14 +50,13 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from dataclasses import fields
+
     from ..train import DraftTraining, train_draft
 
-    job = DraftTraining.for_kind(args.kind, model=args.model, out=args.out, prompts=args.prompts,
-                                 self_prompts=min(args.self_prompts, args.prompts // 2),
-                                 max_new_tokens=args.max_new_tokens, batch=args.batch, dtype=args.dtype,
-                                 epochs=args.epochs, vocab=args.vocab, lr=args.lr, unroll=args.unroll,
-                                 heads=args.heads, exit_layer=args.exit_layer, ensemble=args.ensemble,
-                                 max_samples=args.max_samples, layout=args.layout, seed=args.seed)
+    options = {f.name: getattr(args, f.name) for f in fields(DraftTraining) if f.name != "kind"}
+    options["self_prompts"] = min(args.self_prompts, args.prompts // 2)
+    job = DraftTraining.for_kind(args.kind, **options)
     summary = train_draft(job, progress=not args.no_progress)
     depths = ", ".join(f"{a:.3f}" for a in summary["top1_by_depth"])
     print(f"wrote {summary['head']} ({summary['samples']} samples, {summary['tokens']} response tokens, "

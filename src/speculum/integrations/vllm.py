@@ -114,13 +114,9 @@ class BatchTracker:
     def _find(self, i: int, row: np.ndarray, n: int, sampled: list[int], claimed: set[int]) -> Live | None:
         """The request of last step's rows that row ``i`` continues (its own row first), not one
         another row already ``claimed`` (two requests with the same text stay two)."""
-        live = self.rows.get(i)
-        if live is not None and id(live) not in claimed and live.same_row(row, n, sampled):
-            return live
-        for j, other in self.rows.items():
-            if j != i and id(other) not in claimed and other.same_row(row, n, sampled):
-                return other
-        return None
+        own_first = sorted(self.rows.items(), key=lambda item: item[0] != i)  # (a stable sort)
+        return next((live for _, live in own_first if id(live) not in claimed and live.same_row(row, n, sampled)),
+                    None)
 
     def step(self, sampled_token_ids: list[list[int]], num_tokens: np.ndarray, token_ids: np.ndarray,
              logits: list[torch.Tensor] = ()) -> list[list[int]]:

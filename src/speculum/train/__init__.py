@@ -138,12 +138,11 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
     torch.manual_seed(job.seed)
     cfg = TrainConfig(epochs=job.epochs, lr=job.lr, vocab=job.vocab, unroll=job.unroll, seed=job.seed,
                       layout=job.layout)
-    if job.kind in ("medusa", "hydra"):
+    if job.kind in ("medusa", "hydra", "ppd"):
         cfg.num_heads = cfg.eval_depths = job.heads
     if job.kind == "kangaroo":
         cfg.exit_layer, cfg.eval_depths = job.exit_layer, 1
     if job.kind == "ppd":
-        cfg.num_heads = cfg.eval_depths = job.heads
         cfg.ensemble, cfg.vocab, cfg.max_len = job.ensemble, 0, 512
     trainer = LEARNED[job.kind].trainer_class()(model, samples, run_dir, cfg, progress)
     trainer.run()

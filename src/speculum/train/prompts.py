@@ -93,14 +93,19 @@ STDLIB = ["json", "csv", "re", "collections", "itertools", "functools", "heapq",
 KINDS = ("chat", "writing", "translation", "summary", "qa", "math", "code", "retrieval")
 
 
+def _modules():
+    """``(name, module)`` for each module of :data:`STDLIB` this Python has."""
+    for mod_name in STDLIB:
+        try:
+            yield mod_name, importlib.import_module(mod_name)
+        except ImportError:
+            continue
+
+
 def _passages() -> list[tuple[str, str]]:
     """``(name, text)``: paragraphs of the standard library's docstrings (40..900 characters)."""
     out = []
-    for mod_name in STDLIB:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:
-            continue
+    for mod_name, mod in _modules():
         objs = [(mod_name, mod)] + [(f"{mod_name}.{n}", o) for n, o in sorted(vars(mod).items())
                                     if not n.startswith("_") and (inspect.isfunction(o) or inspect.isclass(o))
                                     and getattr(o, "__module__", None) == mod.__name__]
@@ -116,11 +121,7 @@ def _passages() -> list[tuple[str, str]]:
 def _functions() -> list[tuple[str, str]]:
     """``(name, source)``: small pure-Python standard-library functions (4..30 lines)."""
     out = []
-    for mod_name in STDLIB:
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:
-            continue
+    for mod_name, mod in _modules():
         for n, o in sorted(vars(mod).items()):
             if inspect.isfunction(o) and o.__module__ == mod.__name__ and not n.startswith("_"):
                 try:

@@ -282,15 +282,12 @@ def write_report(history: History, out: Path, meta: dict, kind: str = "") -> tup
         k = max(1, len(vals) // 100)
         smooth = [sum(vals[max(0, i - k):i + 1]) / len(vals[max(0, i - k):i + 1]) for i in range(len(vals))]
         a.plot(steps, smooth, label=key)
-    a.set_yscale("log")
-    a.set_xlabel("optimiser step")
-    a.set_title(f"{kind} training loss (running mean)".strip())
+    a.set(yscale="log", xlabel="optimiser step", title=f"{kind} training loss (running mean)".strip())
     a.legend()
     for d in range(len(history.evals[0]["top1"]) if history.evals else 0):
         b.plot([e["epoch"] for e in history.evals], [e["top1"][d] for e in history.evals], marker="o",
                label=f"depth {d + 1}")
-    b.set_xlabel("epoch")
-    b.set_title("held-out top-1 accuracy by draft depth")
+    b.set(xlabel="epoch", title="held-out top-1 accuracy by draft depth")
     b.legend()
     png = out / "loss.png"
     save(fig, png, dpi=110)
