@@ -181,7 +181,9 @@ class EagleHead(AttentionHead):
         if self.config.layout == "eagle3":
             return feats, torch.cat((self.input_norm(embeds), self.hidden_norm(feats)), dim=-1)
         h = fc(torch.cat((embeds, feats), dim=-1))
-        return h, self.input_norm(h) if self.normed_input else h
+        if not self.normed_input:
+            return h, h
+        return h, F.rms_norm(h, (self.config.hidden,), self.input_norm.weight, self.config.eps)
 
     def own_tables(self, tables):
         """``eagle3``: the target's :class:`~speculum.heads.TargetTables` (its embedding) drafting
