@@ -200,7 +200,7 @@ def load_or_measure(runner, progress: bool = False, force: bool = False,
     contexts = list(contexts or CONTEXTS)
     key = _key(runner, contexts)
     if key in _PENDING and not force:
-        return _PENDING[key].poll() or _MEASURED.get(key)
+        return _PENDING[key].poll()
     cost = None if force else cached(runner, contexts)
     if cost is None:
         if announce is not None:

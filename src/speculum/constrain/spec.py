@@ -65,7 +65,7 @@ class ConstraintSpec:
                     raise SpeculumError(f"the JSON schema is not valid JSON: {e}") from None
             if not isinstance(schema, dict):
                 raise SpeculumError("a JSON schema must be a JSON object")
-            _check_schema(schema)
+            check_schema(schema)
             try:
                 return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             except ValueError as e:
@@ -167,7 +167,7 @@ def _close_objects(schema):
     return out
 
 
-def _check_schema(schema: dict) -> None:
+def check_schema(schema: dict) -> None:
     """Reject schemas that are not valid JSON Schema (jsonschema's meta-schema check)."""
     try:
         import jsonschema

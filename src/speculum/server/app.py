@@ -344,13 +344,12 @@ def create_app(state: ServerState, guard: GuardSettings | None = None,
                                grammar=opts.grammar if opts else None,
                                names="response_format, speculum.regex, speculum.choice or speculum.grammar")
         close_reserve = opts.close_reserve if opts is not None else 0
-        calls = tools.grammar() if tools is not None else None
-        if calls is not None:
+        if tools is not None and tools.choice != "none":
             if spec is not None:
                 raise APIError("tools (unless tool_choice is none) cannot be combined with response_format or "
                                "speculum's constraints", param="tools")
             try:
-                return compile_constraint(calls, state.tokenizer, state.vocab_size, state.eos_ids,
+                return compile_constraint(tools.grammar(), state.tokenizer, state.vocab_size, state.eos_ids,
                                           close_reserve or TOOL_CLOSE_RESERVE)
             except SpeculumError as e:
                 raise APIError(f"a tool's parameters are not a usable JSON schema: {e}", param="tools") from None

@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..constrain import ConstraintSpec
-from ..constrain.spec import JSON_OPTIONS, strict_schema
+from ..constrain.spec import JSON_OPTIONS, check_schema, strict_schema
 from .protocol import APIError, Tool
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -55,7 +55,7 @@ class ToolSet:
     """The tools of one request and how it lets the model use them."""
 
     tools: list[Tool]
-    choice: str | None  # "none", "auto", "required" or a function's name
+    choice: str  # "none", "auto", "required" or a function's name
     parallel: bool = True
 
     @classmethod
@@ -79,6 +79,8 @@ class ToolSet:
         if self.choice == "none":
             return None
         chosen = [t for t in self.tools if self.choice in ("auto", "required") or t.function.name == self.choice]
+        for t in chosen:  # the meta-schema check response_format's schemas get
+            check_schema(t.function.parameters or EMPTY_PARAMETERS)
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                   "properties": {"name": {"const": t.function.name},
                                  "arguments": strict_schema(t.function.parameters or EMPTY_PARAMETERS)}}

@@ -67,8 +67,13 @@ class Job(Generation):
     def choices(self, n: int) -> list[Job]:
         """This job and ``n - 1`` more choices of the same request (sharing its events): choice ``i``
         samples with ``seed + i`` (so that a seeded request repeats), and copies the prompt's entries
-        from this one."""
-        seed = lambda i: None if self.seed is None else (self.seed + i) % (1 << 64)
+        from this one (``seed + i`` past ``2**64 - 1``, the largest seed, wraps to 0)."""
+
+        def seed(i: int) -> int | None:
+            if self.seed is None:
+                return None
+            return self.seed + i - (1 << 64 if self.seed + i >= 1 << 64 else 0)
+
         return [self] + [dataclasses.replace(self, index=i, seed=seed(i), leader=self, events=self.events,
                                              cancelled=threading.Event(), submitted=time.perf_counter())
                          for i in range(1, n)]
