@@ -184,6 +184,13 @@ class PositionedKVCache(StaticKVCache):
         mask = self.mask(layer, sliding, step, start)
         return self.attend(q, self.kv[layer, 0, :, start:end], self.kv[layer, 1, :, start:end], mask)
 
+    def attend_slots(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                     step: Step) -> torch.Tensor:
+        """Sparse read of chosen committed slots: write the new entries ``k, v [n, H_kv, d]`` and attend
+        ``q [n, H, d]`` over slots ``slots [H_kv, m]`` (increasing along ``m``) of ``layer`` and the new
+        entries -> ``[n, H*d]``. Every decode-time selection policy reads through here."""
+        return self.attend_block(layer, q, k, v, self.gather_block([layer], slots, step.n)[0], step)
+
     def attend_block(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: torch.Tensor,
                      step: Step) -> torch.Tensor:
         """Sparse read (TidalDecode, Quest): write the new entries ``k, v [n, H_kv, d]`` into the cache
