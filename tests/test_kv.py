@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 from conftest import TINY_VOCAB, OracleDrafter, tiny_gemma3, tiny_llama
+from kv_lossless import assert_drafters_equal_ar, lookup_prompt
 
 from speculum.attention import Step
 from speculum.cache.quantized import pack, quantize, unpack
@@ -28,6 +29,9 @@ from speculum.runners import runner_for, under_policy
 from speculum.runners.layerwise import prefill_layerwise
 
 SPECS = ["streaming", "h2o", "snapkv", "tidal", "quest", "kv_quant"]
+# policies whose output under speculation is plain decoding's under the same lossy budget (TidalDecode
+# and Quest select per step from all of a step's rows, so a tree's rows read another selection)
+STEP_INVARIANT = ["streaming", "h2o", "snapkv", "kv_quant"]
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
@@ -72,8 +76,15 @@ def test_small_budget_under_speculation(tiny, spec):
     assert plain.new_tokens == tree.new_tokens == 40
     if spec in ("streaming", "h2o", "snapkv", "kv_quant"):
         assert tree.kv_bytes < base.kv_bytes and plain.kv_bytes < base.kv_bytes
-    if spec == "snapkv":  # prefill-only selection: the same cache whatever the steps
+    if spec in STEP_INVARIANT:  # the tree is trimmed at the policy's decision points: plain decoding's output
         assert tree.tokens == plain.tokens
+
+
+@pytest.mark.parametrize("spec", STEP_INVARIANT)
+def test_every_drafter_equals_ar_under_a_lossy_policy(tiny, spec):
+    """Eviction and quantization while decoding: each step's tree stops at the policy's next decision
+    point (``draft_depth``), so every drafter reproduces ``ar`` under the same lossy policy."""
+    assert_drafters_equal_ar(tiny, spec, "12", lookup_prompt(60))
 
 
 def test_layerwise_prefill_bit_identical(tiny):

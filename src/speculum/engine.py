@@ -249,11 +249,16 @@ class Decoding:
         e, runner = self.engine, self.runner
         left = self.max_new_tokens - len(self.generated) - 1
         self.room = max(min(e.max_tree, left, runner.max_length - len(self.tokens) - 1), 0)
+        depth = runner.draft_depth(self.cache)  # a KV policy's next decision point (None: no limit)
+        if depth == 0:
+            self.room = 0
         self.drafter.see_batch(sequences)
         tree = self.drafter.propose(self.tokens, self.room)
         if len(tree) > self.room:
             raise RuntimeError(f"{self.drafter.name} drafted {len(tree)} nodes with a budget of {self.room}")
         tree = tree.cut_after(self.stops.eos_ids)  # nothing after an EOS can be committed: no rows for it
+        if depth is not None:
+            tree = tree.within_depth(depth)
         self.scored = tree.scores is not None
         return self.guide.shape(tree, self.room)
 

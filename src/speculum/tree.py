@@ -139,6 +139,13 @@ class DraftTree:
             dead.append(p >= 0 and (dead[p] or self.tokens[p] in ends))
         return self.subtree([i for i, d in enumerate(dead) if not d])
 
+    def within_depth(self, depth: int) -> DraftTree:
+        """The tree without nodes deeper than ``depth`` (0: empty); the tree itself where none is."""
+        depths = self.depths()
+        if not depths or max(depths) <= depth:
+            return self
+        return self.subtree([i for i, d in enumerate(depths) if d <= depth])
+
     def subtree(self, keep: list[int]) -> DraftTree:
         """The tree restricted to nodes ``keep`` (increasing, closed under taking parents)."""
         new_index = {old: new for new, old in enumerate(keep)}

@@ -117,6 +117,14 @@ class KVPolicy:
         """Store the new entries ``k, v [n, H_kv, d]`` and attend ``q [n, H, d]`` -> ``[n, H*d]``."""
         return cache.attend_all(layer, sliding, q, k, v, step)
 
+    def draft_depth(self, cache) -> int | None:
+        """How many drafted tokens a step may accept before this policy next changes the cache
+        (evicts, quantizes) at a commit, or None where its decisions do not depend on how tokens are
+        grouped into steps. The engine trims each tree to that depth, so every row of a
+        verification reads what a one-token step at its position would: speculation under the
+        policy then gives the output of plain decoding under it."""
+        return None
+
     def before_commit(self, cache, keep: list[int] | None) -> None:
         """The pending entries at indices ``keep`` (None: all) are about to be committed."""
 

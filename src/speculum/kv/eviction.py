@@ -77,6 +77,14 @@ class EvictionPolicy(KVPolicy):
         """Slots ``[H_kv, budget]`` (increasing) to keep of a full-attention layer's committed slots."""
         raise NotImplementedError
 
+    def draft_depth(self, cache: PositionedKVCache) -> int | None:
+        """Plain decoding evicts after the commit that takes the cache past ``budget + slack``: a step
+        may commit up to that one, no further."""
+        if not self.evicts_while_decoding:
+            return None
+        budget = cache.state.budget
+        return max(0, budget + self.slack(budget) - cache.length)
+
     def after_commit(self, cache: PositionedKVCache) -> None:
         budget = cache.state.budget
         if not self.evicts_while_decoding or cache.length <= budget + self.slack(budget):

@@ -56,5 +56,10 @@ class KVQuantPolicy(KVPolicy):
     def attend(self, cache, layer, sliding, q, k, v, step):
         return cache.attend(layer, sliding, q, k, v, step)
 
+    def draft_depth(self, cache: QuantKVCache) -> int | None:
+        """Plain decoding quantizes a group after the commit that fills the window to ``residual +
+        group`` entries: a step may commit up to that one, no further."""
+        return max(0, self.residual + self.group - 1 - cache.r)
+
     def after_commit(self, cache: QuantKVCache) -> None:
         cache.flush()

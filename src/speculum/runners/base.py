@@ -69,6 +69,11 @@ class Runner(Protocol):
 
     def commit(self, cache: KVCache, keep: list[int] | None = None) -> None: ...
 
+    def draft_depth(self, cache: KVCache) -> int | None:
+        """The most drafted tokens a step may commit before the cache changes what later rows see
+        (a KV policy's next eviction or quantization), or None: no limit."""
+        ...
+
 
 def layer_types(config) -> list[str]:
     """``"full_attention"`` or ``"sliding_attention"`` per layer.
@@ -103,6 +108,9 @@ class RunnerBase:
     @property
     def max_length(self) -> int:
         return self.max_positions
+
+    def draft_depth(self, cache: KVCache) -> int | None:
+        return None
 
     def new_cache(self, capacity: int = 1024) -> KVCache:
         raise NotImplementedError

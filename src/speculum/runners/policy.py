@@ -95,6 +95,11 @@ class PolicyRunner(RunnerBase):
         return out
 
     @torch.inference_mode()
+    def draft_depth(self, cache) -> int | None:
+        """The policy's next decision point (:meth:`~speculum.kv.KVPolicy.draft_depth`)."""
+        return self.policy.draft_depth(cache)
+
+    @torch.inference_mode()
     def commit(self, cache, keep: list[int] | None = None) -> None:
         self.policy.before_commit(cache, keep)
         cache.commit(keep)
