@@ -1,4 +1,4 @@
-"""kvpress's SnapKV and StreamingLLM presses on speculum's RULER-style tasks (run in kvpress's own venv).
+"""kvpress's presses (the nearest to each speculum policy, :data:`PRESSES`) on speculum's RULER-style tasks (run in kvpress's own venv).
 
 kvpress pins its own transformers range, so this script runs in a separate environment and
 imports nothing from speculum but the task generator (``src/speculum/bench/ruler.py``, loaded by
@@ -39,7 +39,18 @@ import time
 from pathlib import Path
 
 import torch
-from kvpress import SnapKVPress, StreamingLLMPress
+from kvpress import (
+    AdaKVPress,
+    ComposedPress,
+    KeyDiffPress,
+    KnormPress,
+    MergingPress,
+    PyramidKVPress,
+    SnapKVPress,
+    StreamingLLMPress,
+    ThinKPress,
+    TOVAPress,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,15 +78,31 @@ def reset_peak() -> int:
     return rss("VmRSS")
 
 
+# speculum's policy -> kvpress's nearest press, built for a kept fraction ``budget`` of the context
+PRESSES = {
+    "streaming": lambda budget: StreamingLLMPress(compression_ratio=1 - budget),
+    "snapkv": lambda budget: SnapKVPress(compression_ratio=1 - budget),
+    "pyramidkv": lambda budget: PyramidKVPress(compression_ratio=1 - budget),
+    "adakv": lambda budget: AdaKVPress(SnapKVPress(compression_ratio=1 - budget)),
+    # ThinK on top of SnapKV as in the paper: half the key channels pruned, tokens to the rest of the budget
+    "think": lambda budget: ComposedPress([SnapKVPress(compression_ratio=1 - min(1.0, budget / 0.75)),
+                                           ThinKPress(key_channel_compression_ratio=0.5)]),
+    # kvpress has no D2O: its merge-on-evict wrapper around SnapKV's scores is the nearest
+    "d2o": lambda budget: MergingPress(press=SnapKVPress(compression_ratio=1 - budget)),
+    # DuoAttentionPress is left out: its head patterns come from GitHub or from on-the-fly scoring over a
+    # Hugging Face dataset (kmfoda/booksum), neither reachable offline
+    "keydiff": lambda budget: KeyDiffPress(compression_ratio=1 - budget),
+    "tova": lambda budget: TOVAPress(compression_ratio=1 - budget),
+    "knorm": lambda budget: KnormPress(compression_ratio=1 - budget),
+}
+
+
 def make_press(name: str, budget: float):
-    ratio = 1.0 - budget
     if name == "none":
         return None
-    if name == "snapkv":
-        return SnapKVPress(compression_ratio=ratio)
-    if name == "streaming":
-        return StreamingLLMPress(compression_ratio=ratio)
-    raise SystemExit(f"unknown press {name}")
+    if name not in PRESSES:
+        raise SystemExit(f"unknown press {name}; choose from none, {', '.join(PRESSES)}")
+    return PRESSES[name](budget)
 
 
 def main() -> None:
