@@ -39,7 +39,7 @@ def _layout(layers=2, window=None, sliding=()):
 def _reference(q, keys, values, visible, scale):
     """Attention of ``q [n, H, d]`` with per (row, KV head) key lists: ``keys[h]``, ``values[h] [L_h, d]``,
     ``visible[h] [n, L_h]`` bool -> ``[n, H, d]``."""
-    n, heads, _ = q.shape
+    heads = q.shape[1]
     g = heads // len(keys)
     out = torch.empty_like(q)
     for j in range(heads):
@@ -231,6 +231,17 @@ def test_totals_and_bytes_follow_the_budget(spec):
     else:
         assert cache.nbytes() == layers * 12 * slot  # 12 of 59 per layer, as the budget says
     assert cache.nbytes() <= full.nbytes() * 0.4
+
+
+def test_uniform_settings_keep_what_snapkv_keeps():
+    """``pyramidkv:beta=1`` (flat pyramid) and ``adakv:alpha=1`` (even split) are SnapKV."""
+    model = tiny_llama(layers=6)
+    prompt = lookup_prompt(60)
+    snap = _prefilled(model, "snapkv:window=4", "12", prompt)
+    for spec in ("pyramidkv:window=4,beta=1", "adakv:window=4,alpha=1"):
+        cache = _prefilled(model, spec, "12", prompt)
+        assert all(torch.equal(cache.pos[i][:, :12], snap.pos[i, :, :12]) for i in range(6)), spec
+        assert all(torch.equal(cache.kv[i][:, :, :12], snap.kv[i, :, :, :12]) for i in range(6)), spec
 
 
 def test_gemma_sliding_layers_keep_their_recent_entries():

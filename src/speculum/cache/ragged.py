@@ -192,7 +192,7 @@ class RaggedKVCache(KVCache):
 
     def nbytes(self) -> int:
         """Bytes of the committed slots of every layer, padded slots included (they are allocated and
-        read like the others)."""
+        read like the others); 0 until :meth:`end_prefill`."""
         s = self.layout
         slot = 2 * s.kv_heads * s.head_dim * self.kv[0].element_size()
         if not self.length:

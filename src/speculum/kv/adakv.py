@@ -7,11 +7,10 @@ head ``h`` keeps ``alpha * B + (1 - alpha) * c_h`` entries (rounded, the layer's
 own best ones, and the window. Heads whose attention is concentrated give entries to heads whose
 attention is spread out; the layer's total is a uniform budget's.
 
-Example: 2 KV heads, ``B = 4``, ``alpha = 0.5``; head 0's votes are ``9 8 7 6 0 0``, head 1's
-``5 5 1 1 1 1``: the 8 best of both are head 0's four and head 1's two fives and two of its ones,
-``c = (4, 4)``, so each keeps 4. With head 1's votes ``5 0 0 0 0 0`` instead, the 8 best are head
-0's four, head 1's five and three zeros; ties aside, ``c`` is about ``(4, 4)`` again; with head 0's
-votes ``9 9 9 9 9 9``, ``c = (6, 2)`` and the heads keep ``0.5*4 + 0.5*6 = 5`` and ``3``.
+Example: 2 KV heads, ``B = 4``, ``alpha = 0.5``; head 0's votes are ``9 9 9 9 9 9``, head 1's
+``5 5 1 1 1 1``. The 8 best of both are head 0's six nines and head 1's two fives, ``c = (6, 2)``,
+so head 0 keeps ``0.5*4 + 0.5*6 = 5`` entries and head 1 ``0.5*4 + 0.5*2 = 3`` (its two fives and
+one of its ones): 8 in all, as a uniform 4 each. With ``alpha = 1`` both keep 4 (SnapKV).
 
 Heads of one layer are stored padded to the longest (:class:`~speculum.cache.RaggedKVCache`): the
 padding is memory, counted in the cache's bytes, that the paper's flattened kernel does not hold.

@@ -40,8 +40,8 @@ class BudgetState:
     kept: int  # the uniform budget m = min(budget, n), per layer and KV head
     window: int  # observation window kept in every full-attention layer: min(window, m)
     full: list[int] = field(default_factory=list)  # [F] full-attention layer indices
-    budgets: dict[int, int] = field(default_factory=dict)  # layer -> entries kept before the window (per head,
-    # or the mean per head for AdaKV)
+    # layer -> entries kept before its window, per KV head (Ada-KV: the heads' mean)
+    budgets: dict[int, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
