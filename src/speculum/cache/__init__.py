@@ -4,6 +4,8 @@ caches that extend it.
 - :class:`StaticKVCache`: one ``[layers, 2, H_kv, C, d]`` buffer (every runner's plain cache);
 - :class:`PositionedKVCache`: a static cache whose slots remember their positions (eviction and
   sparse-read KV policies; rolling positions for StreamingLLM);
+- :class:`RaggedKVCache`: per-layer buffers, each sized to what its layer keeps, heads of a layer
+  padded to its longest (budget-allocation policies: PyramidKV, CAKE, AdaKV);
 - :class:`QuantKVCache`: packed 2/4-bit entries plus a full-precision window (KIVI);
 - :class:`SlotPool` / :class:`SlotCache`: many sequences' static caches in one buffer (batching).
 """
@@ -12,6 +14,7 @@ from .base import KVCache
 from .pool import SlotCache, SlotPool
 from .positioned import PositionedKVCache
 from .quantized import QuantKVCache
+from .ragged import RaggedKVCache
 from .static import StaticKVCache
 
-__all__ = ["KVCache", "PositionedKVCache", "QuantKVCache", "SlotCache", "SlotPool", "StaticKVCache"]
+__all__ = ["KVCache", "PositionedKVCache", "QuantKVCache", "RaggedKVCache", "SlotCache", "SlotPool", "StaticKVCache"]

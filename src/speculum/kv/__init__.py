@@ -5,6 +5,9 @@
 ``streaming``  StreamingLLM: attention sinks + recent window, positions rolled inside the cache (evicts)
 ``h2o``        H2O: heavy hitters by accumulated attention + recent window (evicts)
 ``snapkv``     SnapKV: the prompt's last tokens vote for what to keep, pooled (evicts at prefill)
+``pyramidkv``  PyramidKV: SnapKV's votes, per-layer budgets falling linearly with depth (evicts at prefill)
+``cake``       CAKE: per-layer budgets by attention dispersion, split in cascade as layers prefill (evicts at prefill)
+``adakv``      Ada-KV: SnapKV's votes, a layer's budget split over its KV heads by joint top-k (evicts at prefill)
 ``kv_quant``   KIVI: keys per channel, values per token, 2 or 4 bits, recent tokens in full precision
 ``tidal``      TidalDecode: full cache, sparse reads of the top-k tokens chosen in selection layers
 ``quest``      Quest: full cache, sparse reads of the pages with the best key-bound scores
@@ -19,9 +22,12 @@ from __future__ import annotations
 
 from ..errors import SpeculumError
 from ..options import parse_named
+from .adakv import AdaKVPolicy
 from .base import Budget, KVPolicy
+from .cake import CakePolicy
 from .h2o import H2OPolicy
 from .kv_quant import KVQuantPolicy
+from .pyramidkv import PyramidKVPolicy
 from .quest import QuestPolicy
 from .snapkv import SnapKVPolicy
 from .streaming import StreamingPolicy
@@ -32,6 +38,9 @@ POLICIES: dict[str, type[KVPolicy]] = {
     "streaming": StreamingPolicy,
     "h2o": H2OPolicy,
     "snapkv": SnapKVPolicy,
+    "pyramidkv": PyramidKVPolicy,
+    "cake": CakePolicy,
+    "adakv": AdaKVPolicy,
     "kv_quant": KVQuantPolicy,
     "tidal": TidalPolicy,
     "quest": QuestPolicy,

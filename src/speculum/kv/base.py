@@ -78,7 +78,8 @@ class KVPolicy:
     Class attributes:
         name: the CLI name.
         prefill_scores: attention statistics :meth:`store_prefill` needs: None, ``"window"`` (the
-            last ``observation_window`` prompt queries' attention over the prompt, SnapKV) or
+            last ``observation_window`` prompt queries' attention over the prompt, SnapKV),
+            ``"window_rows"`` (the same weights per query row, ``[H_kv, g*w, n]``, CAKE) or
             ``"all"`` (attention summed over every prompt query, H2O).
         rolling: the cache numbers positions by slot (StreamingLLM), so a sequence may run past the
             model's context length.
@@ -108,7 +109,8 @@ class KVPolicy:
     def store_prefill(self, cache, layer: int, sliding: bool, kv: torch.Tensor, scores: torch.Tensor | None) -> None:
         """Keep what the policy wants of one layer's prompt entries ``kv [2, H_kv, n, d]``.
 
-        ``scores [H_kv, n]`` float32 as asked by :attr:`prefill_scores` (None otherwise).
+        ``scores [H_kv, n]`` (``[H_kv, g*w, n]`` for ``"window_rows"``) float32 as asked by
+        :attr:`prefill_scores` (None otherwise, and on sliding-window layers).
         """
         raise NotImplementedError
 
