@@ -17,3 +17,14 @@ def parse_named(spec: str, what: str) -> tuple[str, dict[str, str]]:
             raise SpeculumError(f"{what} option {item!r} should read key=value")
         kwargs[key.strip()] = value.strip()
     return name.strip(), kwargs
+
+
+def parse_flag(value) -> bool:
+    """An on/off option: ``True``, ``"1"``, ``"true"``, ``"yes"``, ``"on"`` -> True; ``False``, ``"0"``,
+    ``"false"``, ``"no"``, ``"off"`` -> False; anything else raises ``ValueError``."""
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected an on/off flag (1 or 0), got {value!r}")

@@ -6,15 +6,19 @@ caches that extend it.
   sparse-read KV policies; rolling positions for StreamingLLM);
 - :class:`RaggedKVCache`: per-layer buffers, each sized to what its layer keeps, heads of a layer
   padded to its longest (budget-allocation policies: PyramidKV, CAKE, AdaKV);
+- :class:`MergedKVCache`: a positioned cache whose slots may hold merged clusters of tokens, read
+  with a ``log`` cluster-size attention bias (Chelsea);
 - :class:`QuantKVCache`: packed 2/4-bit entries plus a full-precision window (KIVI);
 - :class:`SlotPool` / :class:`SlotCache`: many sequences' static caches in one buffer (batching).
 """
 
 from .base import KVCache
+from .merged import MergedKVCache
 from .pool import SlotCache, SlotPool
 from .positioned import PositionedKVCache
 from .quantized import QuantKVCache
 from .ragged import RaggedKVCache
 from .static import StaticKVCache
 
-__all__ = ["KVCache", "PositionedKVCache", "QuantKVCache", "RaggedKVCache", "SlotCache", "SlotPool", "StaticKVCache"]
+__all__ = ["KVCache", "MergedKVCache", "PositionedKVCache", "QuantKVCache", "RaggedKVCache", "SlotCache", "SlotPool",
+           "StaticKVCache"]

@@ -11,6 +11,9 @@
 ``kv_quant``   KIVI: keys per channel, values per token, 2 or 4 bits, recent tokens in full precision
 ``tidal``      TidalDecode: full cache, sparse reads of the top-k tokens chosen in selection layers
 ``quest``      Quest: full cache, sparse reads of the pages with the best key-bound scores
+``keyformer``  Keyformer: key tokens by accumulated Gumbel-softmax scores + recent window (evicts)
+``d2o``        D2O: H2O's eviction, each evicted token merged into its most similar kept one (evicts)
+``chelsea``    Chelsea: the prompt's chunks clustered, one merged entry per cluster (merges at prefill)
 =============  ====================================================================================
 
 A policy is named on the command line as ``name`` or ``name:option=value,...`` (for example
@@ -25,7 +28,10 @@ from ..options import parse_named
 from .adakv import AdaKVPolicy
 from .base import Budget, KVPolicy
 from .cake import CakePolicy
+from .chelsea import ChelseaPolicy
+from .d2o import D2OPolicy
 from .h2o import H2OPolicy
+from .keyformer import KeyformerPolicy
 from .kv_quant import KVQuantPolicy
 from .pyramidkv import PyramidKVPolicy
 from .quest import QuestPolicy
@@ -44,6 +50,9 @@ POLICIES: dict[str, type[KVPolicy]] = {
     "kv_quant": KVQuantPolicy,
     "tidal": TidalPolicy,
     "quest": QuestPolicy,
+    "keyformer": KeyformerPolicy,
+    "d2o": D2OPolicy,
+    "chelsea": ChelseaPolicy,
 }
 POLICY_NAMES = ("full",) + tuple(POLICIES)
 

@@ -79,8 +79,9 @@ class KVPolicy:
         name: the CLI name.
         prefill_scores: attention statistics :meth:`store_prefill` needs: None, ``"window"`` (the
             last ``observation_window`` prompt queries' attention over the prompt, SnapKV),
-            ``"window_rows"`` (the same weights per query row, ``[H_kv, g*w, n]``, CAKE) or
-            ``"all"`` (attention summed over every prompt query, H2O).
+            ``"window_rows"`` (the same weights per query row, ``[H_kv, g*w, n]``, CAKE),
+            ``"all"`` (attention summed over every prompt query, H2O) or ``"logits"`` (what
+            :meth:`prefill_vote` makes of every prompt query's attention logits, summed: Keyformer).
         rolling: the cache numbers positions by slot (StreamingLLM), so a sequence may run past the
             model's context length.
     """
@@ -112,6 +113,12 @@ class KVPolicy:
         ``scores [H_kv, n]`` (``[H_kv, g*w, n]`` for ``"window_rows"``) float32 as asked by
         :attr:`prefill_scores` (None otherwise, and on sliding-window layers).
         """
+        raise NotImplementedError
+
+    def prefill_vote(self, cache, layer: int, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """With ``prefill_scores = "logits"``: the scores ``[H_kv, b]`` (float32) that prompt query rows
+        at ``positions [r]`` give keys ``0 .. b-1`` of a full-attention ``layer``, from their folded
+        attention logits ``logits [H_kv, g*r, b]`` (masked with ``-inf``, soft-capped)."""
         raise NotImplementedError
 
     def attend(self, cache, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -1,4 +1,4 @@
-"""What the three eviction policies (StreamingLLM, H2O, SnapKV) share.
+"""What the eviction policies (StreamingLLM, H2O, SnapKV, Keyformer, D2O, Chelsea) share.
 
 After prefill every layer and KV head keeps ``m = min(budget, n)`` of the ``n`` prompt entries;
 the cache is allocated for ``m`` plus what decoding adds, so the evicted entries never occupy
@@ -58,8 +58,11 @@ class EvictionPolicy(KVPolicy):
         n = kv.shape[2]
         m = cache.state.kept
         idx = None
-        if m < n:
-            idx = recent(n, m, kv.shape[1], kv.device) if sliding else self.select_prefill(kv, scores, m)
+        if m < n and sliding:
+            idx = recent(n, m, kv.shape[1], kv.device)
+        elif m < n:
+            idx = self.select_prefill(kv, scores, m)
+            self.merge_evicted(cache, layer, kv, idx)
         cache.store_layer(layer, kv, idx)
         if cache.score is not None and scores is not None:
             cache.score[layer, :, :m] = scores if idx is None else scores.gather(1, idx)
@@ -85,12 +88,20 @@ class EvictionPolicy(KVPolicy):
         budget = cache.state.budget
         return max(0, budget + self.slack(budget) - cache.length)
 
+    def merge_evicted(self, cache: PositionedKVCache, layer: int, kv: torch.Tensor, idx: torch.Tensor) -> None:
+        """Before the entries of a full-attention layer's ``kv [2, H_kv, L, d]`` outside slots ``idx
+        [H_kv, m]`` are dropped (at prefill, or from the cache while decoding): fold them into kept
+        slots, in place (D2O). By default they are just dropped."""
+
     def after_commit(self, cache: PositionedKVCache) -> None:
         budget = cache.state.budget
         if not self.evicts_while_decoding or cache.length <= budget + self.slack(budget):
             return
         heads = cache.layout.kv_heads
-        idx = [recent(cache.length, budget, heads, cache.device) if cache.layout.is_sliding(i)
-               else self.select_decode(cache, i, budget)
-               for i in range(cache.layout.layers)]
-        cache.keep_slots(torch.stack(idx))
+        idx = torch.stack([recent(cache.length, budget, heads, cache.device) if cache.layout.is_sliding(i)
+                           else self.select_decode(cache, i, budget)
+                           for i in range(cache.layout.layers)])
+        for i in range(cache.layout.layers):
+            if not cache.layout.is_sliding(i):
+                self.merge_evicted(cache, i, cache.kv[i, :, :, : cache.length], idx[i])
+        cache.keep_slots(idx)

@@ -56,7 +56,7 @@ class H2OPolicy(EvictionPolicy):
         return self._split(cache.length, budget, cache.score[layer, :, : cache.length])
 
     def attend(self, cache, layer, sliding, q, k, v, step):
-        if not sliding:  # kept until commit, when the committed rows' attention is added
+        if not sliding and self.evicts_while_decoding:  # kept until commit, when the committed rows' attention is added
             cache.state.step = step
             cache.state.queries[layer] = q
         return cache.attend_all(layer, sliding, q, k, v, step)
@@ -72,6 +72,13 @@ class H2OPolicy(EvictionPolicy):
         vis = visibility(cache.length, step.positions, step.new_mask, None)[0]  # [n, end] or None
         mask = None if vis is None else grouped(vis[rows], s.group, torch.float32)
         for layer, q in st.queries.items():
-            probs = attention_probs(q[rows], cache.kv[layer, 0, :, :end], mask, s.scale, s.softcap)  # [H_kv, g*m, end]
-            cache.score[layer, :, :end] += probs.sum(1)
+            cache.score[layer, :, :end] += self.votes(cache, layer, q[rows], end, mask, step.positions[rows])
         st.step, st.queries = None, {}
+
+    def votes(self, cache, layer: int, q: torch.Tensor, end: int, mask: torch.Tensor | None,
+              positions: torch.Tensor) -> torch.Tensor:
+        """What committed rows ``q [r, H, d]`` at ``positions [r]`` add to the scores of ``layer``'s slots
+        ``0 .. end-1`` (committed and pending) under the folded ``mask [g*r, end]`` (or None): their
+        attention, summed over the rows and each KV group's query heads -> ``[H_kv, end]``."""
+        s = cache.layout
+        return attention_probs(q, cache.kv[layer, 0, :, :end], mask, s.scale, s.softcap).sum(1)  # of [H_kv, g*r, end]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import attention_probs, grouped, visibility
+from ..attention import attention_probs, attention_scores, fold_queries, grouped, visibility
 from ..cache.store import put
 
 SCORE_ROWS = 32  # prompt queries per slice when accumulating attention (H2O)
@@ -18,7 +18,8 @@ WINDOW = ("window", "window_rows")  # the score kinds read from the last prompt 
 
 
 @torch.inference_mode()
-def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, window_rows: int, store) -> torch.Tensor:
+def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, window_rows: int, store,
+                      vote=None) -> torch.Tensor:
     """Run ``ids`` (``n`` tokens at positions ``0 .. n-1``) through ``decoder``.
 
     Args:
@@ -26,8 +27,9 @@ def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, w
             pay it, summed over those queries and the query heads of each KV group; ``"window_rows"``:
             those attention weights unsummed, ``[H_kv, g*w, n]`` (folded rows: query ``i`` of head
             ``j`` of a group is row ``j*w + i``; CAKE's dispersion statistics); ``"all"``: the
-            summed attention of every prompt token (accumulated attention, H2O). Computed for
-            full-attention layers only.
+            summed attention of every prompt token (accumulated attention, H2O); ``"logits"``: what
+            ``vote`` makes of every prompt token's attention logits, summed over the prompt
+            (Keyformer). Computed for full-attention layers only.
         store: ``store(layer, sliding, kv [2, H_kv, n, d], scores [H_kv, n] | [H_kv, g*w, n] | None)``,
             called once per layer when its keys and values are complete.
     Returns the last token's logits ``[1, V]``.
@@ -44,7 +46,7 @@ def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, w
     for i, layer in enumerate(decoder.layers):
         buf = torch.empty((2, s.kv_heads, n, s.head_dim), dtype=decoder.dtype, device=dev)
         want = None if layer.sliding else scores
-        acc = torch.zeros((s.kv_heads, n), dtype=torch.float32, device=dev) if want == "all" else None
+        acc = torch.zeros((s.kv_heads, n), dtype=torch.float32, device=dev) if want in ("all", "logits") else None
         tail: list[torch.Tensor] = []
         for a, b in spans:
             shared = causal is not None and not layer.sliding and b - a == chunk
@@ -53,7 +55,8 @@ def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, w
             else:  # sliding-window layers and a short last chunk: built for this chunk and layer
                 vis = visibility(a, positions[a:b], None, s.sliding_window)[layer.sliding]
                 mask = grouped(vis, s.group, decoder.dtype)
-            chunk_store = ChunkStore(decoder, buf, a, b, mask, acc, tail if want in WINDOW and b > w0 else None, w0)
+            chunk_store = ChunkStore(decoder, buf, a, b, mask, acc, tail if want in WINDOW and b > w0 else None, w0,
+                                     vote if want == "logits" else None)
             part = {kind: (cos[a:b], sin[a:b]) for kind, (cos, sin) in rope.items()}
             h[a:b] = decoder.layer_forward(i, layer, h[a:b], part, chunk_store)
             if shared:
@@ -97,14 +100,14 @@ class ChunkCausalMask:
 class ChunkStore:
     """One prompt chunk's :class:`~speculum.cache.store.KVStore` in one layer: its entries go to
     ``a .. b-1`` of the layer's buffer ``buf [2, H_kv, n, d]`` and it attends over ``0 .. b-1``; its
-    attention is added to ``acc [H_kv, n]`` and the queries of positions ``w0 ..`` kept in ``tail``
-    where those are given."""
+    attention (or, given ``vote``, its vote on the attention logits) is added to ``acc [H_kv, n]``
+    and the queries of positions ``w0 ..`` kept in ``tail`` where those are given."""
 
     compiled = None
 
-    def __init__(self, decoder, buf, a: int, b: int, mask, acc, tail, w0: int):
+    def __init__(self, decoder, buf, a: int, b: int, mask, acc, tail, w0: int, vote=None):
         self.decoder, self.buf, self.a, self.b, self.mask = decoder, buf, a, b, mask
-        self.acc, self.tail, self.w0 = acc, tail, w0
+        self.acc, self.tail, self.w0, self.vote = acc, tail, w0, vote
 
     def attend(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         decoder, buf, a, b, mask = self.decoder, self.buf, self.a, self.b, self.mask
@@ -113,8 +116,17 @@ class ChunkStore:
             m, g = q.shape[0], decoder.shape.group
             for r in range(0, m, SCORE_ROWS):
                 rows = None if mask is None else mask.view(g, m, -1)[:, r:r + SCORE_ROWS].reshape(-1, mask.shape[-1])
-                self.acc[:, :b] += attention_probs(q[r:r + SCORE_ROWS], buf[0, :, :b], rows, decoder.shape.attn_scale,
-                                                   decoder.shape.attn_softcap).sum(1)
+                if self.vote is None:
+                    self.acc[:, :b] += attention_probs(q[r:r + SCORE_ROWS], buf[0, :, :b], rows, decoder.shape.attn_scale,
+                                                       decoder.shape.attn_softcap).sum(1)
+                else:
+                    self.acc[:, :b] += self._vote(layer, q[r:r + SCORE_ROWS], rows, a + r)
         if self.tail is not None:
             self.tail.append(q[max(0, self.w0 - a):])
         return decoder.attend(q, buf[0, :, :b], buf[1, :, :b], mask)
+
+    def _vote(self, layer: int, q: torch.Tensor, mask: torch.Tensor | None, first: int) -> torch.Tensor:
+        """``vote`` of the rows ``q [r, H, d]`` at positions ``first ..`` over keys ``0 .. b-1`` -> ``[H_kv, b]``."""
+        s, keys = self.decoder.shape, self.buf[0, :, : self.b]
+        logits = attention_scores(fold_queries(q, s.kv_heads), keys, mask, s.attn_scale, s.attn_softcap)
+        return self.vote(layer, logits, torch.arange(first, first + q.shape[0], device=q.device))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
@@ -77,9 +78,11 @@ class PolicyRunner(RunnerBase):
         first, rest = token_ids[:split], token_ids[split:]
         self.policy.begin_prefill(cache, len(first))
         if first:
+            vote = partial(self.policy.prefill_vote, cache) if self.policy.prefill_scores == "logits" else None
             prefill_layerwise(self.decoder, first, self.prefill_chunk, self.policy.prefill_scores,
                               self.policy.observation_window,
-                              lambda i, sliding, kv, scores: self.policy.store_prefill(cache, i, sliding, kv, scores))
+                              lambda i, sliding, kv, scores: self.policy.store_prefill(cache, i, sliding, kv, scores),
+                              vote)
         self.policy.end_prefill(cache, len(first))
         for a in range(0, len(rest), APPEND_CHUNK):  # the question, as decoding steps through the policy
             part = rest[a:a + APPEND_CHUNK]
