@@ -37,11 +37,19 @@ MASK32 = 0xFFFFFFFF
 
 
 def mix32(x):
-    """A 32-bit integer hash (xor-shift, multiply) of ``x`` in ``[0, 2^32)``: a Python int or an int64
-    tensor (elementwise; the products stay under ``2^63``)."""
-    x = x ^ (x >> 16)
+    """A 32-bit integer hash (xor-shift, multiply) of ``x`` in ``[0, 2^32)``: a Python int, or an int64
+    tensor hashed elementwise in place (its products stay under ``2^63``)."""
+    if isinstance(x, torch.Tensor):
+        t = x >> 16
+        x ^= t
+        x.mul_(0x7FEB352D).bitwise_and_(MASK32)
+        x ^= torch.bitwise_right_shift(x, 15, out=t)
+        x.mul_(0x5BD1E995).bitwise_and_(MASK32)
+        x ^= torch.bitwise_right_shift(x, 16, out=t)
+        return x
+    x ^= x >> 16
     x = (x * 0x7FEB352D) & MASK32
-    x = x ^ (x >> 15)
+    x ^= x >> 15
     x = (x * 0x5BD1E995) & MASK32
     return x ^ (x >> 16)
 
@@ -51,12 +59,14 @@ def keyed_gumbel(seed: int, layer: int, q_pos: torch.Tensor, k_pos: torch.Tensor
     positions (folded rows ``j*r + i``, :func:`~speculum.attention.fold_queries`), ``k_pos [H_kv, L]``
     or ``[L]`` key positions -> ``[H_kv, g*r, L]`` float32, a pure function of (seed, layer, query
     head, query position, key position)."""
-    base = mix32((mix32(seed & MASK32) ^ layer) & MASK32)
+    base = mix32(mix32(seed & MASK32) ^ layer)
     head = torch.arange(heads * group, device=q_pos.device).view(heads, group, 1)  # query head h*g + j
     row = mix32(mix32(head ^ base) ^ q_pos.view(1, 1, -1)).view(heads, -1, 1)  # [H_kv, g*r, 1]
     key = mix32((k_pos.long() + 0x9E3779B9) & MASK32)
     key = key.view(1, 1, -1) if key.dim() == 1 else key[:, None, :]
-    u = (mix32(row ^ key) >> 8).float().add_(0.5).mul_(2.0 ** -24)  # uniform in (0, 1)
+    x = mix32(row ^ key)  # [H_kv, g*r, L]
+    x >>= 8
+    u = x.float().add_(0.5).mul_(2.0 ** -24)  # uniform in (0, 1)
     return u.log_().neg_().log_().neg_()
 
 
