@@ -27,7 +27,7 @@ from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.engine import Engine
 from speculum.errors import SpeculumError
 from speculum.kv import make_policy
-from speculum.kv.chelsea import cluster_chunks, plan
+from speculum.kv.chelsea import ChelseaPolicy, cluster_chunks, plan
 from speculum.kv.d2o import D2OState
 from speculum.kv.keyformer import keyed_gumbel
 from speculum.runners import PolicyRunner, runner_for, under_policy
@@ -211,11 +211,18 @@ def test_chelsea_soft_matching_merges_alternate_neighbours():
 
 
 def test_chelsea_plan_shares_the_budget():
-    p = plan(59, 12, 16, 6, "cpu")  # 53 tokens before the window; chunks widen until each gets an entry
-    assert p.chunks * p.chunk + (59 - p.chunks * p.chunk) == 59
-    assert int(p.targets.sum()) + 59 - p.chunks * p.chunk == 12 and int(p.targets.min()) >= 1
-    assert plan(59, 3, 16, 1, "cpu") is not None and plan(59, 1, 16, 0, "cpu") is not None
-    assert plan(10, 4, 16, 4, "cpu") is None  # no entry left for a chunk: the caller keeps the recent 4
+    p = plan(59, 12, 16, 6, 2, "cpu")  # 51 tokens between sinks and window; chunks widen until each gets an entry
+    whole = 59 - p.chunks * p.chunk
+    assert p.start == 2 and int(p.targets.sum()) + whole == 12 and int(p.targets.min()) >= 1
+    assert plan(59, 3, 16, 1, 0, "cpu") is not None and plan(59, 1, 16, 0, 0, "cpu") is not None
+    assert plan(10, 4, 16, 4, 0, "cpu") is None  # no entry left for a chunk: the caller keeps the recent 4
+    assert plan(10, 5, 16, 2, 3, "cpu") is None
+    # sinks and window stay single tokens around the merged chunks
+    p = plan(20, 10, 4, 4, 2, "cpu")
+    assert (p.start, p.chunk, p.chunks, p.targets.tolist()) == (2, 6, 2, [1, 1])
+    idx, size = ChelseaPolicy.merge_prefill(torch.randn(2, 3, 20, 4), p)
+    assert idx[:, :2].tolist() == [[0, 1]] * 3 and idx[:, -6:].tolist() == [[14, 15, 16, 17, 18, 19]] * 3
+    assert size[:, 2:4].tolist() == [[6.0, 6.0]] * 3 and bool((size[:, [0, 1, 4, 5]] == 1).all())
 
 
 @torch.inference_mode()
@@ -229,7 +236,7 @@ def test_chelsea_log_size_bias_reproduces_attention_over_equal_keys():
     full.reserve(17)
     full.store_layer(0, kv.clone(), None)
     full.length = 16
-    policy = make_policy("chelsea:chunk=8,window=0", "8")
+    policy = make_policy("chelsea:chunk=8,window=0,sinks=0", "8")
     merged = policy.new_cache(layout, torch.float32, "cpu", 32)
     assert isinstance(merged, MergedKVCache)
     policy.begin_prefill(merged, 16)
@@ -244,7 +251,7 @@ def test_chelsea_log_size_bias_reproduces_attention_over_equal_keys():
         cache.begin(step.positions)
         outs.append(cache.attend_all(0, False, q, k, v, step))
     torch.testing.assert_close(outs[1], outs[0])
-    plain = make_policy("chelsea:chunk=8,window=0,bias=0", "8").new_cache(layout, torch.float32, "cpu", 32)
+    plain = make_policy("chelsea:chunk=8,window=0,sinks=0,bias=0", "8").new_cache(layout, torch.float32, "cpu", 32)
     assert plain.bias is None
 
 

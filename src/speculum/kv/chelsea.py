@@ -18,6 +18,9 @@ What speculum adds (options, not from the paper):
   about the weight its members would have; ``chelsea:bias=0`` reads plain centroids.
 - ``window`` (32, at most half the budget): the prompt's last tokens (where the question sits) and
   the few left over after the last whole chunk are kept unmerged.
+- ``sinks`` (4, at most a quarter of the budget): the first tokens, which draw much of every
+  query's attention (StreamingLLM's attention sinks), are kept unmerged; merged into their
+  neighbours they change what every query reads.
 - ``chunk`` (16): entries per chunk; widened when the budget is so small that a chunk would get
   no entry.
 
@@ -48,29 +51,30 @@ from .merging import cosine, put_back, take
 class ChunkPlan:
     """How a prompt of ``n`` tokens is clustered to ``m`` entries per KV head."""
 
+    start: int  # tokens before the chunks, kept whole (the attention sinks)
     chunk: int  # entries per chunk
-    chunks: int  # C whole chunks over tokens 0 .. C*chunk - 1; the rest is kept whole
+    chunks: int  # C whole chunks over tokens start .. start + C*chunk - 1; the rest is kept whole
     targets: torch.Tensor  # [C] entries each chunk keeps (sum: m minus the tokens kept whole)
 
 
-def plan(n: int, m: int, chunk: int, window: int, device) -> ChunkPlan | None:
-    """Chunks of ``chunk`` tokens (or wider, so that each keeps at least one entry) over the tokens
-    before the last ``window``, their shares of the ``m - kept whole`` entries as even as can be;
-    None when fewer than ``window`` + one entry per chunk fit (the caller keeps the recent ``m``)."""
-    if m - window < 1:
+def plan(n: int, m: int, chunk: int, window: int, sinks: int, device) -> ChunkPlan | None:
+    """Chunks of ``chunk`` tokens (or wider, so that each keeps at least one entry) between the first
+    ``sinks`` and the last ``window`` tokens, their shares of the ``m - kept whole`` entries as even
+    as can be; None when no chunk can keep an entry (the caller keeps the recent ``m``)."""
+    middle = n - window - sinks
+    if middle < 1 or m - window - sinks < 1:
         return None
-    c = max(chunk, -(-(n - window) // (m - window)))
+    c = max(chunk, -(-middle // (m - window - sinks)))
     while True:
-        chunks = (n - window) // c
-        whole = n - chunks * c
-        share = m - whole
-        if chunks == 0 or share < 1:
+        chunks = middle // c
+        share = m - (n - chunks * c)
+        if chunks == 0:
             return None
         if share >= chunks:
             base, extra = divmod(share, chunks)
             targets = torch.full((chunks,), base, dtype=torch.long, device=device)
             targets[:extra] += 1
-            return ChunkPlan(c, chunks, targets)
+            return ChunkPlan(sinks, c, chunks, targets)
         c += 1
 
 
@@ -109,18 +113,20 @@ class ChelseaPolicy(EvictionPolicy):
     name = "chelsea"
     evicts_while_decoding = False
 
-    def __init__(self, budget="0.25", chunk: int = 16, window: int = 32, bias=True):
+    def __init__(self, budget="0.25", chunk: int = 16, window: int = 32, sinks: int = 4, bias=True):
         super().__init__(budget)
-        self.chunk, self.window, self.bias = int(chunk), int(window), parse_flag(bias)
-        if self.chunk < 2 or self.window < 0:
-            raise ValueError("chelsea needs chunk >= 2 and window >= 0")
+        self.chunk, self.window, self.sinks, self.bias = int(chunk), int(window), int(sinks), parse_flag(bias)
+        if self.chunk < 2 or self.window < 0 or self.sinks < 0:
+            raise ValueError("chelsea needs chunk >= 2, window >= 0 and sinks >= 0")
 
     def new_cache(self, layout, dtype, device, capacity):
         return MergedKVCache(layout, dtype, device, capacity)
 
     def store_prefill(self, cache, layer, sliding, kv, scores):
         n, m = kv.shape[2], cache.state.kept
-        p = None if sliding or m >= n else plan(n, m, self.chunk, min(self.window, m // 2), kv.device)
+        p = None
+        if not sliding and m < n:
+            p = plan(n, m, self.chunk, min(self.window, m // 2), min(self.sinks, m // 4), kv.device)
         if p is None:  # nothing to merge, a sliding-window layer, or too small a budget: the recent m
             cache.store_layer(layer, kv, None if m >= n else recent(n, m, kv.shape[1], kv.device))
             return
@@ -132,15 +138,17 @@ class ChelseaPolicy(EvictionPolicy):
     @staticmethod
     def merge_prefill(kv: torch.Tensor, p: ChunkPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Cluster ``kv [2, H_kv, n, d]``'s chunks in place (merged entries written at their
-        representatives' slots) -> the kept slots ``[H_kv, m]`` (increasing; the tokens after the
-        chunks kept whole) and each one's cluster size ``[H_kv, m]``."""
+        representatives' slots) -> the kept slots ``[H_kv, m]`` (increasing; the tokens before and
+        after the chunks kept whole) and each one's cluster size ``[H_kv, m]``."""
         heads, n, d = kv.shape[1], kv.shape[2], kv.shape[3]
-        span = p.chunks * p.chunk
-        grid = kv[:, :, :span].reshape(2, heads, p.chunks, p.chunk, d)
+        a, b = p.start, p.start + p.chunks * p.chunk
+        grid = kv[:, :, a:b].reshape(2, heads, p.chunks, p.chunk, d)
         alive, keys, values, size = cluster_chunks(grid[0], grid[1], p.targets)
-        slots = alive.view(heads, span).nonzero()[:, 1].view(heads, -1)  # [H_kv, sum(targets)]
-        merged = torch.stack([keys.view(heads, span, d), values.view(heads, span, d)])
-        put_back(kv, slots, take(merged, slots))
-        whole = torch.arange(span, n, device=kv.device).expand(heads, n - span)
-        ones = torch.ones(whole.shape, device=kv.device)
-        return torch.cat([slots, whole], 1), torch.cat([size.view(heads, span).gather(1, slots), ones], 1)
+        slots = alive.view(heads, b - a).nonzero()[:, 1].view(heads, -1)  # [H_kv, sum(targets)]
+        merged = torch.stack([keys.view(heads, b - a, d), values.view(heads, b - a, d)])
+        put_back(kv[:, :, a:b], slots, take(merged, slots))
+        whole = torch.cat([torch.arange(a), torch.arange(b, n)]).to(kv.device)  # sinks, window: single tokens
+        idx = torch.cat([whole[None, :a].expand(heads, a), slots + a, whole[None, a:].expand(heads, n - b)], 1)
+        sizes = torch.ones(idx.shape, device=kv.device)
+        sizes[:, a:a + slots.shape[1]] = size.view(heads, b - a).gather(1, slots)
+        return idx, sizes
