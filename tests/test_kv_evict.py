@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, tiny_gemma3, tiny_llama
+from conftest import TINY_VOCAB, OracleDrafter, tiny_gemma3, tiny_llama
 from kv_lossless import ar_tokens, assert_drafters_equal_ar, lookup_prompt
 
 from speculum.attention import AttentionLayout, Step
@@ -43,8 +43,8 @@ def tiny(request):
     return tiny_llama(layers=6) if request.param == "llama" else tiny_gemma3()
 
 
-def _run(model, prompt, policy=None, new=32):
-    engine = Engine(under_policy(runner_for(model, "native"), policy), AutoregressiveDrafter(), eos_token_ids=[])
+def _run(model, prompt, policy=None, drafter=None, new=32):
+    engine = Engine(under_policy(runner_for(model, "native"), policy), drafter or AutoregressiveDrafter(), eos_token_ids=[])
     return engine.generate(prompt, new)
 
 
@@ -63,10 +63,13 @@ def test_lossy_prefill_selection_is_step_invariant(tiny, spec):
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_lossy_budget_holds_less(tiny, spec):
+    """Decode-time eviction included (keyformer, d2o): plain and tree steps run to the end and hold less."""
     prompt = lookup_prompt(60, seed=1)
     base = _run(tiny, prompt)
     r = _run(tiny, prompt, make_policy(spec, "12"))
-    assert r.new_tokens == 32 and r.kv_bytes < 0.6 * base.kv_bytes
+    tree = _run(tiny, prompt, make_policy(spec, "12"), OracleDrafter(base.tokens, TINY_VOCAB, shape="tree", seed=4))
+    assert r.new_tokens == tree.new_tokens == 32
+    assert r.kv_bytes < 0.6 * base.kv_bytes and tree.kv_bytes < 0.6 * base.kv_bytes
 
 
 # -- Keyformer -------------------------------------------------------------------------------------

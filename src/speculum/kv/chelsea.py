@@ -3,7 +3,7 @@ Clustering", arXiv 2506.11418): keys of neighbouring tokens are much alike, so t
 is cut into chunks and, inside each chunk, similar entries are clustered and each cluster is kept
 as one merged entry (its centroid key and mean value) instead of dropping any token.
 
-Chunked soft matching, as speculum reads the paper's description (its code was not available):
+Chunked soft matching, as speculum reads the paper's description (speculum found no code of it):
 the entries of a chunk are split alternately into two sets (entries 0, 2, 4, .. form ``A``; 1, 3,
 5, .. form ``B``); every ``A`` entry finds its most similar ``B`` entry (cosine of keys), and the
 ``r`` most similar such pairs are merged, ``A`` into ``B`` (ToMe's bipartite soft matching inside a
@@ -21,7 +21,7 @@ What speculum adds (options, not from the paper):
 - ``sinks`` (4, at most a quarter of the budget): the first tokens, which draw much of every
   query's attention (StreamingLLM's attention sinks), are kept unmerged; merged into their
   neighbours they change what every query reads.
-- ``chunk`` (16): entries per chunk; widened when the budget is so small that a chunk would get
+- ``chunk`` (16; the paper's size was not found): entries per chunk; widened when the budget is so small that a chunk would get
   no entry.
 
 Clustering happens once, at prefill (full-attention layers; sliding-window layers keep their
