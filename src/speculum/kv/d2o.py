@@ -24,9 +24,10 @@ layers with dense attention keeping more), which needs a different length per la
 code's exemption of the first two and the last layer from eviction, for the same reason. A merged
 entry is read as one token (no attention bias for its cluster size), as in the paper.
 
-Decode-time eviction decides at every commit, like H2O's: tree speculation then gives the policy a
-different view than one-token steps, so only prefill-time merging (``d2o:decode=0``) is
-step-invariant.
+Evictions, merges and threshold updates happen at the same commits whatever the steps' grouping of
+tokens (the engine trims each tree at the next eviction,
+:meth:`~speculum.kv.eviction.EvictionPolicy.draft_depth`, and committed draft tokens vote as in
+H2O), so speculation under a lossy budget gives plain decoding's output under it.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class D2OPolicy(H2OPolicy):
     Options: ``recent_ratio`` (0.5: the reference code's equal split of recent tokens and heavy
     hitters), ``sinks`` (4: the first tokens always kept, as the reference code does), ``alpha``
     (0.5: weight of the previous threshold in its moving average), ``decode`` (1: also evict and
-    merge while decoding; 0: at prefill only, which is step-invariant).
+    merge while decoding; 0: at prefill only, the generated tokens appended).
     """
 
     name = "d2o"

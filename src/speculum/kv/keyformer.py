@@ -12,11 +12,11 @@ as H2O's attention does, and eviction happens at prefill and while decoding as i
 runs ``slack`` past the budget, then is gathered back to it).
 
 The noise is a pure function of ``(seed, layer, query head, query position, key position)`` (a
-32-bit integer hash): the same request gives the same scores and output whatever the prefill's
-chunking or the steps' grouping of tokens, and a committed draft token votes as it would have in
-a one-token step. Decode-time eviction still decides at every commit, like H2O's, so tree
-speculation with a lossy budget sees the cache at other moments than one-token steps; only
-``keyformer:decode=0`` (select at prefill only) is step-invariant.
+32-bit integer hash), and the temperature of the query's position: the same request gives the same
+scores and output whatever the prefill's chunking, and a committed draft token votes as it would
+have in a one-token step. With the engine trimming each tree at the next eviction
+(:meth:`~speculum.kv.eviction.EvictionPolicy.draft_depth`), speculation under a lossy budget gives
+plain decoding's output under it.
 
 Example, budget 10, ``recent_ratio=0.3``, 40 prompt tokens: tokens 37..39 are kept as the recent
 window; of tokens 0..36 the 7 with the highest summed ``softmax((x + g) / 1)`` over the 40 prompt
@@ -84,8 +84,8 @@ class KeyformerPolicy(H2OPolicy):
     Options: ``recent_ratio`` (0.3, the reference code's ``recent 30`` percent of the budget),
     ``tau_init`` (1.0), ``tau_end`` (2.0), ``steps`` (T; default: the new tokens the request's cache
     was sized for, which includes the verification tree's room), ``seed`` (0: the noise's key, the
-    same for every request), ``decode`` (1: also evict while decoding; 0: select at prefill only,
-    which is step-invariant).
+    same for every request), ``decode`` (1: also evict while decoding; 0: select at prefill only and
+    append the generated tokens, with no votes while decoding).
     """
 
     name = "keyformer"
