@@ -33,7 +33,8 @@ SPECS = ["streaming", "h2o", "snapkv", "tidal", "quest", "kv_quant"]
 # and Quest select per step from all of a step's rows, so a tree's rows read another selection)
 STEP_INVARIANT = ["streaming", "h2o", "snapkv", "kv_quant"]
 # policies whose own test file runs these checks (covering budget, lossy budget, every drafter)
-TESTED_ELSEWHERE = {"pyramidkv": "test_kv_budgets", "cake": "test_kv_budgets", "adakv": "test_kv_budgets"}
+TESTED_ELSEWHERE = {"pyramidkv": "test_kv_budgets", "cake": "test_kv_budgets", "adakv": "test_kv_budgets",
+                    "keyformer": "test_kv_evict", "d2o": "test_kv_evict", "chelsea": "test_kv_evict"}
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
