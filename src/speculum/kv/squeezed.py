@@ -53,17 +53,29 @@ class SqueezedState(SparseState):
 
 
 def kmeans(x: torch.Tensor, k: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lloyd's k-means per batch entry of ``x [B, N, d]`` (float32), from ``k`` evenly spaced points
+    """Lloyd's k-means per batch entry of ``x [B, N, d]`` (float32), seeded by farthest points
     (deterministic) -> ``centroids [B, k, d]``, ``assign [B, N]``. Empty clusters keep their centroid."""
-    B, N, d = x.shape
-    c = x[:, torch.linspace(0, N - 1, k, device=x.device).round().long()].clone()
-    assign = torch.zeros((B, N), dtype=torch.long, device=x.device)
+    B, d = x.shape[0], x.shape[2]
+    c = farthest_points(x, k)
     for _ in range(max(1, iters)):
         assign = nearest(x, c)
         sums = torch.zeros_like(c).scatter_add_(1, assign[..., None].expand(-1, -1, d), x)
         counts = torch.zeros((B, k), device=x.device).scatter_add_(1, assign, torch.ones_like(assign, dtype=x.dtype))
         c = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], c)
     return c, nearest(x, c)
+
+
+def farthest_points(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``k`` seeds per batch entry of ``x [B, N, d]``: the first point, then each time the point
+    farthest from the seeds so far -> ``[B, k, d]``."""
+    B, d = x.shape[0], x.shape[2]
+    rows = torch.arange(B, device=x.device)
+    seeds = torch.zeros((B, k), dtype=torch.long, device=x.device)
+    dist = ((x - x[:, :1]) ** 2).sum(-1)  # [B, N] to the nearest seed
+    for i in range(1, k):
+        seeds[:, i] = dist.argmax(1)
+        dist = torch.minimum(dist, ((x - x[rows, seeds[:, i]][:, None]) ** 2).sum(-1))
+    return x.gather(1, seeds[..., None].expand(-1, -1, d)).clone()
 
 
 def nearest(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

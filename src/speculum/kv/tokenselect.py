@@ -91,7 +91,7 @@ class TokenSelectPolicy(RowSparsePolicy):
         cache.state.pending.pop(layer, None)  # every row reads everything; the anchors stay
 
     def select(self, cache, layer, q, k, rows: RowView):
-        st, L, C = cache.state, rows.length, rows.columns
+        st, C = cache.state, rows.columns
         always = rows.always(self.sinks, self.window)
         candidates = rows.context & ~always  # [n, L+n]
         queries = q.reshape(rows.n, -1).float()
