@@ -103,6 +103,7 @@ def test_double_sparsity_labels_and_planted_key():
     policy, cache = prefilled("double_sparsity:channels=1", "4", keys, queries=queries)
     assert cache.state.labels[0].tolist() == [[2], [2]]
     assert torch.equal(cache.state.label_keys[0][:, :48, 0], keys[:, :, 2])  # the label cache
+    assert cache.nbytes() == 48 * cache.entry_bytes() + 2 * 48 * 1 * 4  # counted with the entries
     rows, visible = choose(policy, cache, q, torch.zeros(1, 2, 8), one_step(48))
     assert all(17 in s and len(s) == 5 for s in read_positions(rows, visible | rows_self(rows), 0))
     # committed entries join the label cache
@@ -164,6 +165,7 @@ def test_squeezed_kmeans_and_matching_cluster():
     for spec in ("squeezed:ratio=0.1", "squeezed:ratio=0.1,threshold=0.05",
                  "squeezed:ratio=0.2,levels=2,coarse=2,widen=1"):
         policy, cache = prefilled(spec, "10", keys)
+        assert cache.nbytes() > 30 * cache.entry_bytes()  # the centroids are counted
         q = (2 * dirs[1]).expand(1, 4, 8)
         rows, visible = choose(policy, cache, q, torch.zeros(1, 2, 8), one_step(30))
         want = set(torch.nonzero(labels == 1)[:, 0].tolist())

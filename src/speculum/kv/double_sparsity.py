@@ -39,6 +39,10 @@ class DoubleSparsityState(SparseState):
     label_keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H_kv, C, r] keys' labels
     filled: int = 0  # committed slots whose labels are in the label cache
 
+    def side_bytes(self) -> int:
+        """The label cache's committed part."""
+        return sum(t.shape[0] * self.filled * t.shape[2] * t.element_size() for t in self.label_keys.values())
+
 
 def label_channels(queries: torch.Tensor, keys: torch.Tensor, r: int) -> torch.Tensor:
     """The ``r`` channels with the largest mean ``|q_c k_c|``: ``queries [w, H, d]`` and their own

@@ -133,9 +133,21 @@ def read_rows(cache: PositionedKVCache, layer: int, q: torch.Tensor, k: torch.Te
     return cache.attend_rows(layer, q, k, v, slots, mask, step)
 
 
+class RowSparseCache(PositionedKVCache):
+    """A positioned cache whose byte count includes what its policy keeps beside the entries (Double
+    Sparsity's label cache, Squeezed Attention's centroids): the state's ``side_bytes()``, if any."""
+
+    def nbytes(self) -> int:
+        side = getattr(self.state, "side_bytes", None)
+        return super().nbytes() + (side() if side is not None else 0)
+
+
 class RowSparsePolicy(SparseReadPolicy):
     """Full storage, sparse reads chosen per query row: subclasses implement :meth:`select` and
     :meth:`covers` (and may keep per-step state, committed in :meth:`before_commit`)."""
+
+    def new_cache(self, layout, dtype, device, capacity: int) -> RowSparseCache:
+        return RowSparseCache(layout, dtype, device, capacity)
 
     def dense(self, cache, layer: int, sliding: bool) -> bool:
         """The first ``dense_layers`` layers and sliding-window layers always read everything (whether

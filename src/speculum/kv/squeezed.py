@@ -51,6 +51,11 @@ class SqueezedState(SparseState):
     fixed: int = 0  # A: tokens of the fixed context
     clusters: dict[int, Clusters] = field(default_factory=dict)
 
+    def side_bytes(self) -> int:
+        """Centroids, cluster sizes and each fixed-context key's cluster."""
+        return sum(t.numel() * t.element_size() for c in self.clusters.values()
+                   for t in (c.centroids, c.sizes, c.assign, c.coarse, c.coarse_sizes, c.parent) if t is not None)
+
 
 def kmeans(x: torch.Tensor, k: int, iters: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Lloyd's k-means per batch entry of ``x [B, N, d]`` (float32), seeded by farthest points
