@@ -20,7 +20,7 @@
 
 The last five decide per query row (:mod:`speculum.kv.rows`): a tree step reads for each row what a
 one-token step at its position would, so speculation under them gives what plain decoding under them
-gives, whatever the budget.
+gives, whatever the budget (up to floating-point rounding, as without a policy).
 
 A policy is named on the command line as ``name`` or ``name:option=value,...`` (for example
 ``tidal:layers=6+14``, ``kv_quant:bits=2``, ``quest:page=32``); the budget (tokens or a ratio of
