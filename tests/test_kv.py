@@ -34,7 +34,9 @@ SPECS = ["streaming", "h2o", "snapkv", "tidal", "quest", "kv_quant"]
 STEP_INVARIANT = ["streaming", "h2o", "snapkv", "kv_quant"]
 # policies whose own test file runs these checks (covering budget, lossy budget, every drafter)
 TESTED_ELSEWHERE = {"pyramidkv": "test_kv_budgets", "cake": "test_kv_budgets", "adakv": "test_kv_budgets",
-                    "keyformer": "test_kv_evict", "d2o": "test_kv_evict", "chelsea": "test_kv_evict"}
+                    "keyformer": "test_kv_evict", "d2o": "test_kv_evict", "chelsea": "test_kv_evict",
+                    "double_sparsity": "test_kv_sparse", "tokenselect": "test_kv_sparse", "squeezed": "test_kv_sparse",
+                    "recycled": "test_kv_sparse", "hip": "test_kv_sparse"}
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])

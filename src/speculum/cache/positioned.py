@@ -191,6 +191,26 @@ class PositionedKVCache(StaticKVCache):
         entries -> ``[n, H*d]``. Every decode-time selection policy reads through here."""
         return self.attend_block(layer, q, k, v, self.gather_block([layer], slots, step.n)[0], step)
 
+    def attend_rows(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None,
+                    visible: torch.Tensor, step: Step) -> torch.Tensor:
+        """:meth:`attend_slots` with a mask per query row: write the new entries ``k, v [n, H_kv, d]`` and
+        attend ``q [n, H, d]`` over committed slots ``slots [H_kv, m]`` (increasing along ``m``; None: every
+        committed slot, read in place) followed by the new entries, row ``i`` of KV head ``h`` seeing
+        column ``c`` where ``visible [H_kv, n, m + n]`` is True (its columns ``m ..`` are the new
+        entries: at most the row's tree ancestors and itself) -> ``[n, H*d]``. Each row of a tree step
+        can so read what a one-token step at its position would (:mod:`speculum.kv.rows`). A copying
+        implementation, like :meth:`attend_slots`'s."""
+        n = step.n
+        mask = grouped(visible, self.layout.group, self.dtype)  # [H_kv, g*n, m + n]
+        if slots is None:
+            self.write(layer, k, v)
+            end = self.length + n
+            return self.attend(q, self.kv[layer, 0, :, :end], self.kv[layer, 1, :, :end], mask)
+        block = self.gather_block([layer], slots, n)[0]
+        self.write(layer, k, v)
+        put(block, slots.shape[1], k, v)
+        return self.attend(q, block[0], block[1], mask)
+
     def attend_block(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: torch.Tensor,
                      step: Step) -> torch.Tensor:
         """Sparse read (TidalDecode, Quest): write the new entries ``k, v [n, H_kv, d]`` into the cache

@@ -80,8 +80,10 @@ class KVPolicy:
         prefill_scores: attention statistics :meth:`store_prefill` needs: None, ``"window"`` (the
             last ``observation_window`` prompt queries' attention over the prompt, SnapKV),
             ``"window_rows"`` (the same weights per query row, ``[H_kv, g*w, n]``, CAKE),
-            ``"all"`` (attention summed over every prompt query, H2O) or ``"logits"`` (what
-            :meth:`prefill_vote` makes of every prompt query's attention logits, summed: Keyformer).
+            ``"all"`` (attention summed over every prompt query, H2O), ``"logits"`` (what
+            :meth:`prefill_vote` makes of every prompt query's attention logits, summed: Keyformer)
+            or ``"queries"`` (the last ``observation_window`` prompt queries themselves,
+            ``[w, H, d]``: Double Sparsity).
         rolling: the cache numbers positions by slot (StreamingLLM), so a sequence may run past the
             model's context length.
     """
@@ -111,7 +113,8 @@ class KVPolicy:
         """Keep what the policy wants of one layer's prompt entries ``kv [2, H_kv, n, d]``.
 
         ``scores [H_kv, n]`` (``[H_kv, g*w, n]`` for ``"window_rows"``) float32 as asked by
-        :attr:`prefill_scores` (None otherwise, and on sliding-window layers).
+        :attr:`prefill_scores` (``[w, H, d]`` queries for ``"queries"``; None otherwise, and on
+        sliding-window layers).
         """
         raise NotImplementedError
 

@@ -1,6 +1,6 @@
-"""What the decode-time sparse-attention policies (TidalDecode, Quest) share: the whole cache is
-stored (slot ``c`` holds position ``c``) and the budget bounds how many cached tokens each
-full-attention layer *reads* per step. The first ``dense_layers`` layers and sliding-window
+"""What the decode-time sparse-attention policies (TidalDecode, Quest, and those choosing per query
+row in :mod:`speculum.kv.rows`) share: the whole cache is stored (slot ``c`` holds position ``c``)
+and the budget bounds how many cached tokens each full-attention layer *reads* per step. The first ``dense_layers`` layers and sliding-window
 layers (which read only their window) always attend densely; a budget that covers the whole
 context turns the policy into full attention."""
 

@@ -14,7 +14,8 @@ from ..attention import attention_probs, attention_scores, fold_queries, grouped
 from ..cache.store import put
 
 SCORE_ROWS = 32  # prompt queries per slice when accumulating attention (H2O)
-WINDOW = ("window", "window_rows")  # the score kinds read from the last prompt queries
+WINDOW = ("window", "window_rows")  # the score kinds read from the last prompt queries' attention
+TAIL = (*WINDOW, "queries")  # the kinds that keep the last prompt queries
 
 
 @torch.inference_mode()
@@ -29,9 +30,11 @@ def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, w
             ``j`` of a group is row ``j*w + i``; CAKE's dispersion statistics); ``"all"``: the
             summed attention of every prompt token (accumulated attention, H2O); ``"logits"``: what
             ``vote`` makes of every prompt token's attention logits, summed over the prompt
-            (Keyformer). Computed for full-attention layers only.
-        store: ``store(layer, sliding, kv [2, H_kv, n, d], scores [H_kv, n] | [H_kv, g*w, n] | None)``,
-            called once per layer when its keys and values are complete.
+            (Keyformer); ``"queries"``: the queries themselves, ``[w, H, d]`` (after rotary embedding)
+            of the last ``window_rows`` prompt tokens (Double Sparsity's channel statistics).
+            Computed for full-attention layers only.
+        store: ``store(layer, sliding, kv [2, H_kv, n, d], scores)``, called once per layer when its
+            keys and values are complete (``scores [H_kv, n]``, ``[H_kv, g*w, n]``, ``[w, H, d]`` or None).
     Returns the last token's logits ``[1, V]``.
     """
     s = decoder.shape
@@ -55,14 +58,16 @@ def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, w
             else:  # sliding-window layers and a short last chunk: built for this chunk and layer
                 vis = visibility(a, positions[a:b], None, s.sliding_window)[layer.sliding]
                 mask = grouped(vis, s.group, decoder.dtype)
-            chunk_store = ChunkStore(decoder, buf, a, b, mask, acc, tail if want in WINDOW and b > w0 else None, w0,
+            chunk_store = ChunkStore(decoder, buf, a, b, mask, acc, tail if want in TAIL and b > w0 else None, w0,
                                      vote if want == "logits" else None)
             part = {kind: (cos[a:b], sin[a:b]) for kind, (cos, sin) in rope.items()}
             h[a:b] = decoder.layer_forward(i, layer, h[a:b], part, chunk_store)
             if shared:
                 causal.release(a, b)
         layer_scores = acc
-        if want in WINDOW:
+        if want == "queries":
+            layer_scores = torch.cat(tail)  # [w, H, d]
+        elif want in WINDOW:
             qw = torch.cat(tail)  # [w, H, d], the queries of positions w0 .. n-1
             vis = torch.arange(n, device=dev)[None, :] <= positions[w0:, None]  # causal [w, n]
             layer_scores = attention_probs(qw, buf[0], grouped(vis, s.group, torch.float32), s.attn_scale,

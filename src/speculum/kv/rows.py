@@ -1,0 +1,182 @@
+"""Per-row sparse reads: what the decode-time selection policies (Double Sparsity, TokenSelect,
+Squeezed Attention, Recycled Attention, HiP) share, so that a step of several query rows (a
+verification tree, a chain) reads, for each row, what a one-token step at that row's position
+would read.
+
+A step feeds ``n`` new tokens after ``L`` committed ones (these policies never evict, so slot ``c``
+holds position ``c``); the new entries are written first, so they sit at slots ``L .. L+n-1`` and
+a step's *columns* are its slots ``0 .. L+n-1``. Row ``i`` sits at position ``P_i``. A one-token
+step at ``P_i`` would find committed the ``P_i`` tokens before it: the ``L`` committed ones and the
+row's strict ancestors in the tree (positions ``L .. P_i-1``). Those are the row's *context*,
+``[n, L+n]`` bool over the columns (:class:`RowView`).
+
+A policy chooses, per row (and per KV head), a subset of the row's context from that row's query
+and the context's keys alone (:meth:`RowSparsePolicy.select`); the step reads the union of the
+rows' choices once and masks each row to its own choice plus itself
+(:func:`read_rows`, through :meth:`~speculum.cache.PositionedKVCache.attend_rows`). A token's
+output then does not depend on how tokens were grouped into steps (up to floating-point summation
+order), and speculation under these policies gives what plain decoding under them gives. Policies
+with state across steps (TokenSelect's Selection Cache, Recycled Attention's recycled top-k) keep
+it per row during a step and commit the last kept row's (:meth:`RowSparsePolicy.before_commit`).
+
+Example: ``L = 4`` committed, a root ``r`` (position 4) with two children ``a``, ``b`` (position
+5)::
+
+    columns     0 1 2 3 | r a b
+    context r   1 1 1 1 | 0 0 0     # as a one-token step at 4: slots 0..3
+    context a   1 1 1 1 | 1 0 0     # at 5: slots 0..3 and r
+    context b   1 1 1 1 | 1 0 0
+
+With a top-2 rule, ``r`` might choose {1, 3}, ``a`` {0, r} and ``b`` {3, r}: the step reads slots
+{0, 1, 3} and the new entries, row ``a`` masked to {0, r, a}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention import Step
+from ..cache import PositionedKVCache
+from .sparse import SparseReadPolicy, SparseState
+
+
+@dataclass
+class RowView:
+    """One step's query rows, each seen as a one-token step at its own position would see the cache."""
+
+    length: int  # L committed slots
+    positions: torch.Tensor  # [n] each row's position (L + its depth in the tree)
+    context: torch.Tensor  # [n, L + n] bool: the committed slots and the row's strict ancestors
+    col_pos: torch.Tensor  # [L + n] the position each column holds
+
+    @classmethod
+    def of(cls, length: int, step: Step) -> RowView:
+        n, dev = step.n, step.positions.device
+        if step.new_mask is None:
+            ancestors = torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1)
+        else:
+            ancestors = step.new_mask.to(dev, torch.bool).clone()
+            ancestors.fill_diagonal_(False)
+        context = torch.cat([torch.ones(n, length, dtype=torch.bool, device=dev), ancestors], dim=1)
+        col_pos = torch.cat([torch.arange(length, device=dev), step.positions])
+        return cls(length, step.positions, context, col_pos)
+
+    @property
+    def n(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def columns(self) -> int:
+        return self.length + self.n
+
+    def between(self, lo: torch.Tensor | int, hi: torch.Tensor | int) -> torch.Tensor:
+        """``[n, L+n]``: each row's context at positions ``lo <= p < hi`` (ints or per-row ``[n]``)."""
+        lo = lo[:, None] if isinstance(lo, torch.Tensor) else lo
+        hi = hi[:, None] if isinstance(hi, torch.Tensor) else hi
+        return self.context & (self.col_pos >= lo) & (self.col_pos < hi)
+
+    def always(self, sinks: int, window: int) -> torch.Tensor:
+        """``[n, L+n]``: the first ``sinks`` positions and the ``window`` positions before each row."""
+        return self.between(0, sinks) | self.between(self.positions - window, self.positions)
+
+    def ancestor_columns(self) -> torch.Tensor:
+        """``[n, D]``: for row ``i`` and ``t < depth_i``, the column of its ancestor at position ``L + t``
+        (0 elsewhere)."""
+        n, L = self.n, self.length
+        depth = int(self.positions.max()) - L + 1
+        out = torch.zeros(n, max(depth, 1), dtype=torch.long, device=self.positions.device)
+        rows, cols = self.context[:, L:].nonzero(as_tuple=True)  # row i, its ancestor j
+        out[rows, self.positions[cols] - L] = L + cols
+        return out
+
+    def columns_of(self, pos: torch.Tensor) -> torch.Tensor:
+        """Positions ``pos [..., n, m]`` in each row's context -> their columns (same shape)."""
+        L = self.length
+        if int(pos.max()) < L:
+            return pos
+        anc = self.ancestor_columns()  # [n, D]
+        deep = (pos - L).clamp(0, anc.shape[1] - 1)
+        return torch.where(pos < L, pos, anc.expand(*pos.shape[:-1], -1).gather(-1, deep))
+
+
+def top_visible(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` best candidates per row: ``scores [..., n, C]`` float, ``candidates`` bool broadcastable
+    to it -> bool ``[..., n, C]`` (every candidate where a row has ``k`` or fewer)."""
+    s = scores.masked_fill(~candidates, float("-inf"))
+    idx = s.topk(min(k, s.shape[-1]), dim=-1).indices
+    return torch.zeros(s.shape, dtype=torch.bool, device=s.device).scatter_(-1, idx, True) & candidates
+
+
+def masked_softmax(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """Softmax of ``scores [..., C]`` over ``candidates`` (0 elsewhere, and on rows without any)."""
+    return scores.masked_fill(~candidates, float("-inf")).softmax(-1).nan_to_num_(0.0)
+
+
+def read_rows(cache: PositionedKVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              visible: torch.Tensor, rows: RowView, step: Step) -> torch.Tensor:
+    """Attend each row over its chosen columns ``visible [H_kv or 1, n, L+n]`` and itself: the union of the
+    rows' committed slots is read once, each row masked to its own choice -> ``[n, H*d]``."""
+    L, n = rows.length, rows.n
+    heads = cache.layout.kv_heads
+    vis = visible.expand(heads, n, rows.columns).clone()
+    idx = torch.arange(n, device=vis.device)
+    vis[:, idx, L + idx] = True  # the row itself
+    used = vis[:, :, :L].any(1)  # [H_kv, L]
+    m = int(used.sum(1).max()) if L else 0
+    if m == L:  # everything committed is read by some row: in place
+        return cache.attend_rows(layer, q, k, v, None, vis, step)
+    # each head's chosen slots first (increasing), padded with unchosen ones that every row masks
+    slots = used.to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :m].sort(dim=1).values
+    mask = torch.cat([vis[:, :, :L].gather(2, slots[:, None, :].expand(heads, n, m)), vis[:, :, L:]], dim=2)
+    return cache.attend_rows(layer, q, k, v, slots, mask, step)
+
+
+class RowSparseCache(PositionedKVCache):
+    """A positioned cache whose byte count includes what its policy keeps beside the entries (Double
+    Sparsity's label cache, Squeezed Attention's centroids): the state's ``side_bytes()``, if any."""
+
+    def nbytes(self) -> int:
+        side = getattr(self.state, "side_bytes", None)
+        return super().nbytes() + (side() if side is not None else 0)
+
+
+class RowSparsePolicy(SparseReadPolicy):
+    """Full storage, sparse reads chosen per query row: subclasses implement :meth:`select` and
+    :meth:`covers` (and may keep per-step state, committed in :meth:`before_commit`)."""
+
+    def new_cache(self, layout, dtype, device, capacity: int) -> RowSparseCache:
+        return RowSparseCache(layout, dtype, device, capacity)
+
+    def dense(self, cache, layer: int, sliding: bool) -> bool:
+        """The first ``dense_layers`` layers and sliding-window layers always read everything (whether
+        the budget covers the context is a per-row question here: :meth:`covers`)."""
+        return sliding or layer < self.dense_layers
+
+    def covers(self, st: SparseState, rows: RowView) -> bool:
+        """True when every row would choose its whole context (the step then reads everything)."""
+        return int(rows.positions.max()) <= st.read
+
+    def select(self, cache: PositionedKVCache, layer: int, q: torch.Tensor, k: torch.Tensor,
+               rows: RowView) -> torch.Tensor:
+        """Each row's choice among its context: ``[H_kv or 1, n, L+n]`` bool (the row itself is added)."""
+        raise NotImplementedError
+
+    def dense_step(self, cache: PositionedKVCache, layer: int, q: torch.Tensor, rows: RowView) -> None:
+        """A sparse layer's step that :meth:`covers`: stateful policies note what its rows chose."""
+
+    def attend(self, cache, layer, sliding, q, k, v, step):
+        if self.dense(cache, layer, sliding):
+            return cache.attend_all(layer, sliding, q, k, v, step)
+        rows = RowView.of(cache.length, step)
+        if self.covers(cache.state, rows):
+            self.dense_step(cache, layer, q, rows)
+            return cache.attend_all(layer, sliding, q, k, v, step)
+        cache.write(layer, k, v)  # the new entries at slots L .. L+n-1: every column is a slot
+        return read_rows(cache, layer, q, k, v, self.select(cache, layer, q, k, rows), rows, step)
+
+
+def kept_rows(keep: list[int] | None, n: int) -> list[int]:
+    """The pending indices a commit keeps (``keep`` None: all ``n``)."""
+    return list(range(n)) if keep is None else list(keep)
