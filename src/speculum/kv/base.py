@@ -82,8 +82,9 @@ class KVPolicy:
             ``"window_rows"`` (the same weights per query row, ``[H_kv, g*w, n]``, CAKE),
             ``"all"`` (attention summed over every prompt query, H2O), ``"logits"`` (what
             :meth:`prefill_vote` makes of every prompt query's attention logits, summed: Keyformer)
-            or ``"queries"`` (the last ``observation_window`` prompt queries themselves,
-            ``[w, H, d]``: Double Sparsity).
+            or ``"queries"`` (the queries themselves, ``[w, H, d]``, of the prompt rows
+            :meth:`query_rows` names, by default the last ``observation_window``: Double Sparsity,
+            ThinK, ZipCache).
         rolling: the cache numbers positions by slot (StreamingLLM), so a sequence may run past the
             model's context length.
     """
@@ -113,8 +114,8 @@ class KVPolicy:
         """Keep what the policy wants of one layer's prompt entries ``kv [2, H_kv, n, d]``.
 
         ``scores [H_kv, n]`` (``[H_kv, g*w, n]`` for ``"window_rows"``) float32 as asked by
-        :attr:`prefill_scores` (``[w, H, d]`` queries for ``"queries"``; None otherwise, and on
-        sliding-window layers).
+        :attr:`prefill_scores` (None otherwise, and on sliding-window layers); for ``"queries"`` the
+        queries ``[w, H, d]`` of :meth:`query_rows`, on every layer.
         """
         raise NotImplementedError
 
@@ -123,6 +124,11 @@ class KVPolicy:
         at ``positions [r]`` give keys ``0 .. b-1`` of a full-attention ``layer``, from their folded
         attention logits ``logits [H_kv, g*r, b]`` (masked with ``-inf``, soft-capped)."""
         raise NotImplementedError
+
+    def query_rows(self, n: int) -> torch.Tensor:
+        """The prompt rows ``[w]`` (increasing) whose queries :meth:`store_prefill` receives when
+        :attr:`prefill_scores` is ``"queries"``: by default the last ``observation_window``."""
+        return torch.arange(max(0, n - self.observation_window), n)
 
     def attend(self, cache, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                step: Step) -> torch.Tensor:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..attention import attention_probs, grouped
+
 
 def pool_scores(scores: torch.Tensor, kernel: int) -> torch.Tensor:
     """Max-pool ``scores [H_kv, n]`` along tokens (odd ``kernel``, same length): a token scores as
@@ -27,3 +29,14 @@ def page_bounds(qg: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> tor
     query rows, ``kmin``, ``kmax [H_kv, P, d]`` each page's channel-wise key minimum and maximum ->
     ``[H_kv, R, P]``."""
     return torch.matmul(qg.clamp(min=0), kmax.transpose(-1, -2)) + torch.matmul(qg.clamp(max=0), kmin.transpose(-1, -2))
+
+
+
+def observation_weights(qw: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, scale: float,
+                        softcap: float | None = None) -> torch.Tensor:
+    """SnapKV's observation window: the attention weights ``[H_kv, g*w, n]`` (float32, folded rows) that
+    the queries ``qw [w, H, d]`` of prompt rows ``rows [w]`` pay the prompt's ``keys [H_kv, n, d]``
+    (slot ``c`` at position ``c``), causally. Summed over the rows, SnapKV's votes."""
+    vis = torch.arange(keys.shape[1], device=keys.device)[None, :] <= rows[:, None]  # [w, n]
+    group = qw.shape[1] // keys.shape[0]
+    return attention_probs(qw, keys, grouped(vis, group, torch.float32), scale, softcap)

@@ -12,15 +12,16 @@ import torch
 
 from ..attention import attention_probs, attention_scores, fold_queries, grouped, visibility
 from ..cache.store import put
+from ..kv.scoring import observation_weights
 
 SCORE_ROWS = 32  # prompt queries per slice when accumulating attention (H2O)
 WINDOW = ("window", "window_rows")  # the score kinds read from the last prompt queries' attention
-TAIL = (*WINDOW, "queries")  # the kinds that keep the last prompt queries
+TAIL = (*WINDOW, "queries")  # the kinds that keep some prompt queries
 
 
 @torch.inference_mode()
-def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, window_rows: int, store,
-                      vote=None) -> torch.Tensor:
+def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, window_rows: int | torch.Tensor,
+                      store, vote=None) -> torch.Tensor:
     """Run ``ids`` (``n`` tokens at positions ``0 .. n-1``) through ``decoder``.
 
     Args:
@@ -31,8 +32,9 @@ def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, w
             summed attention of every prompt token (accumulated attention, H2O); ``"logits"``: what
             ``vote`` makes of every prompt token's attention logits, summed over the prompt
             (Keyformer); ``"queries"``: the queries themselves, ``[w, H, d]`` (after rotary embedding)
-            of the last ``window_rows`` prompt tokens (Double Sparsity's channel statistics).
-            Computed for full-attention layers only.
+            of the prompt rows ``window_rows [w]`` (increasing; Double Sparsity's and ThinK's channel
+            statistics, ZipCache's probes). Scores are computed for full-attention layers only;
+            queries are given for every layer.
         store: ``store(layer, sliding, kv [2, H_kv, n, d], scores)``, called once per layer when its
             keys and values are complete (``scores [H_kv, n]``, ``[H_kv, g*w, n]``, ``[w, H, d]`` or None).
     Returns the last token's logits ``[1, V]``.
@@ -44,11 +46,12 @@ def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, w
     h = decoder.embed_ids(torch.tensor(ids, device=dev))
     rope = decoder.rope(positions)
     spans = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
-    w0 = max(0, n - window_rows)
+    rows = window_rows if scores == "queries" else torch.arange(max(0, n - window_rows), n)  # [w] queries kept
+    rows = rows.to(dev)
     causal = ChunkCausalMask(n, chunk, s.group, decoder.dtype, dev) if n > chunk else None
     for i, layer in enumerate(decoder.layers):
         buf = torch.empty((2, s.kv_heads, n, s.head_dim), dtype=decoder.dtype, device=dev)
-        want = None if layer.sliding else scores
+        want = None if layer.sliding and scores != "queries" else scores
         acc = torch.zeros((s.kv_heads, n), dtype=torch.float32, device=dev) if want in ("all", "logits") else None
         tail: list[torch.Tensor] = []
         for a, b in spans:
@@ -58,20 +61,17 @@ def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, w
             else:  # sliding-window layers and a short last chunk: built for this chunk and layer
                 vis = visibility(a, positions[a:b], None, s.sliding_window)[layer.sliding]
                 mask = grouped(vis, s.group, decoder.dtype)
-            chunk_store = ChunkStore(decoder, buf, a, b, mask, acc, tail if want in TAIL and b > w0 else None, w0,
-                                     vote if want == "logits" else None)
+            kept = rows[(rows >= a) & (rows < b)] - a if want in TAIL else None
+            chunk_store = ChunkStore(decoder, buf, a, b, mask, acc, tail, kept, vote if want == "logits" else None)
             part = {kind: (cos[a:b], sin[a:b]) for kind, (cos, sin) in rope.items()}
             h[a:b] = decoder.layer_forward(i, layer, h[a:b], part, chunk_store)
             if shared:
                 causal.release(a, b)
         layer_scores = acc
         if want == "queries":
-            layer_scores = torch.cat(tail)  # [w, H, d]
-        elif want in WINDOW:
-            qw = torch.cat(tail)  # [w, H, d], the queries of positions w0 .. n-1
-            vis = torch.arange(n, device=dev)[None, :] <= positions[w0:, None]  # causal [w, n]
-            layer_scores = attention_probs(qw, buf[0], grouped(vis, s.group, torch.float32), s.attn_scale,
-                                           s.attn_softcap)  # [H_kv, g*w, n]
+            layer_scores = torch.cat(tail) if tail else h.new_empty((0, s.heads, s.head_dim))  # [w, H, d]
+        elif want in WINDOW:  # the queries of rows, [w, H, d]
+            layer_scores = observation_weights(torch.cat(tail), rows, buf[0], s.attn_scale, s.attn_softcap)
             if want == "window":
                 layer_scores = layer_scores.sum(1)
         store(i, layer.sliding, buf, layer_scores)
@@ -106,13 +106,14 @@ class ChunkStore:
     """One prompt chunk's :class:`~speculum.cache.store.KVStore` in one layer: its entries go to
     ``a .. b-1`` of the layer's buffer ``buf [2, H_kv, n, d]`` and it attends over ``0 .. b-1``; its
     attention (or, given ``vote``, its vote on the attention logits) is added to ``acc [H_kv, n]``
-    and the queries of positions ``w0 ..`` kept in ``tail`` where those are given."""
+    and the queries of its rows ``kept [k]`` (indices within the chunk) appended to ``tail`` where
+    those are given."""
 
     compiled = None
 
-    def __init__(self, decoder, buf, a: int, b: int, mask, acc, tail, w0: int, vote=None):
+    def __init__(self, decoder, buf, a: int, b: int, mask, acc, tail, kept, vote=None):
         self.decoder, self.buf, self.a, self.b, self.mask = decoder, buf, a, b, mask
-        self.acc, self.tail, self.w0, self.vote = acc, tail, w0, vote
+        self.acc, self.tail, self.kept, self.vote = acc, tail, kept, vote
 
     def attend(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         decoder, buf, a, b, mask = self.decoder, self.buf, self.a, self.b, self.mask
@@ -126,8 +127,8 @@ class ChunkStore:
                                                        decoder.shape.attn_softcap).sum(1)
                 else:
                     self.acc[:, :b] += self._vote(layer, q[r:r + SCORE_ROWS], rows, a + r)
-        if self.tail is not None:
-            self.tail.append(q[max(0, self.w0 - a):])
+        if self.kept is not None and self.kept.numel():
+            self.tail.append(q.index_select(0, self.kept))
         return decoder.attend(q, buf[0, :, :b], buf[1, :, :b], mask)
 
     def _vote(self, layer: int, q: torch.Tensor, mask: torch.Tensor | None, first: int) -> torch.Tensor:

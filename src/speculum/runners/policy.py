@@ -79,8 +79,9 @@ class PolicyRunner(RunnerBase):
         self.policy.begin_prefill(cache, len(first))
         if first:
             vote = partial(self.policy.prefill_vote, cache) if self.policy.prefill_scores == "logits" else None
-            prefill_layerwise(self.decoder, first, self.prefill_chunk, self.policy.prefill_scores,
-                              self.policy.observation_window,
+            rows = (self.policy.query_rows(len(first)) if self.policy.prefill_scores == "queries"
+                    else self.policy.observation_window)
+            prefill_layerwise(self.decoder, first, self.prefill_chunk, self.policy.prefill_scores, rows,
                               lambda i, sliding, kv, scores: self.policy.store_prefill(cache, i, sliding, kv, scores),
                               vote)
         self.policy.end_prefill(cache, len(first))
