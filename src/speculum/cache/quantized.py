@@ -159,9 +159,11 @@ class QuantKVCache(WindowKVCache):
         self.vcodes[layers, :, at:at + t] = vc
         self.vlo[layers, :, at:at + t], self.vstep[layers, :, at:at + t] = vlo, vstep
 
-    def store_quantized(self, layers: slice | int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Quantize ``keys, values [..., H_kv, t, d]`` (``t`` a multiple of ``group``) into slots ``tq ..``."""
-        self.write_codes(layers, self.tq, *self.encode(keys, values))
+    def store_quantized(self, layers: slice | int, keys: torch.Tensor, values: torch.Tensor,
+                        at: int | None = None) -> None:
+        """Quantize ``keys, values [..., H_kv, t, d]`` (``t`` a multiple of ``group``) into slots ``at ..``
+        (default ``tq``)."""
+        self.write_codes(layers, self.tq if at is None else at, *self.encode(keys, values))
 
     def store_block(self, keys, values, queries) -> None:
         self.store_quantized(slice(None), keys, values)

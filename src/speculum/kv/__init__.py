@@ -14,6 +14,7 @@
 ``chelsea``          Chelsea: the prompt's chunks clustered, one merged entry per cluster (merges at prefill)
 *compression of what is kept*
 ``kv_quant``         KIVI: keys per channel, values per token, 2 or 4 bits, recent tokens in full precision
+``gear``             GEAR: KIVI's codes + a low-rank approximation of their error + exact outliers
 *sparse reads (the whole cache stored, a budget of it read per step)*
 ``tidal``            TidalDecode: sparse reads of the top-k tokens chosen in selection layers
 ``quest``            Quest: sparse reads of the pages with the best key-bound scores
@@ -46,6 +47,7 @@ from .cake import CakePolicy
 from .chelsea import ChelseaPolicy
 from .d2o import D2OPolicy
 from .double_sparsity import DoubleSparsityPolicy
+from .gear import GearPolicy
 from .h2o import H2OPolicy
 from .hip import HiPPolicy
 from .keyformer import KeyformerPolicy
@@ -68,6 +70,7 @@ POLICIES: dict[str, type[KVPolicy]] = {
     "cake": CakePolicy,
     "adakv": AdaKVPolicy,
     "kv_quant": KVQuantPolicy,
+    "gear": GearPolicy,
     "tidal": TidalPolicy,
     "quest": QuestPolicy,
     "keyformer": KeyformerPolicy,
