@@ -15,6 +15,7 @@
 *compression of what is kept*
 ``kv_quant``         KIVI: keys per channel, values per token, 2 or 4 bits, recent tokens in full precision
 ``gear``             GEAR: KIVI's codes + a low-rank approximation of their error + exact outliers
+``zipcache``         ZipCache: salient tokens (normalized attention) at 4 bits, the others at 2
 *sparse reads (the whole cache stored, a budget of it read per step)*
 ``tidal``            TidalDecode: sparse reads of the top-k tokens chosen in selection layers
 ``quest``            Quest: sparse reads of the pages with the best key-bound scores
@@ -60,6 +61,7 @@ from .squeezed import SqueezedPolicy
 from .streaming import StreamingPolicy
 from .tidal import TidalPolicy
 from .tokenselect import TokenSelectPolicy
+from .zipcache import ZipCachePolicy
 
 # the registry: a policy is one file and one line here
 POLICIES: dict[str, type[KVPolicy]] = {
@@ -71,6 +73,7 @@ POLICIES: dict[str, type[KVPolicy]] = {
     "adakv": AdaKVPolicy,
     "kv_quant": KVQuantPolicy,
     "gear": GearPolicy,
+    "zipcache": ZipCachePolicy,
     "tidal": TidalPolicy,
     "quest": QuestPolicy,
     "keyformer": KeyformerPolicy,
