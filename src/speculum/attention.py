@@ -349,3 +349,23 @@ def attention_probs(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None,
     """Softmax attention weights ``[H_kv, g*n, L]`` (float32) of ``q [n, H, d]`` over ``k [H_kv, L, d]``,
     for policies that score cached tokens by the attention they receive."""
     return attention_scores(fold_queries(q, k.shape[0]), k, mask, scale, softcap).softmax(-1)
+
+
+def attention_parts(q: torch.Tensor, parts: list[tuple], scale: float, softcap: float | None = None) -> torch.Tensor:
+    """Attention of ``q [n, H, d]`` over keys and values held in several parts, as over their
+    concatenation (one softmax over every part's keys) -> ``[n, H*d]``, explicitly in float32.
+
+    Each part is ``(k [H_kv, L_i, d_i], v [H_kv, L_i, d], mask, channels)``: ``mask`` additive
+    ``[g*n, L_i]`` or ``[H_kv, g*n, L_i]`` (or None), ``channels [H_kv, d_i]`` the query channels the
+    part's keys keep (ThinK's pruned keys; None: all ``d``)."""
+    qg = fold_queries(q, parts[0][0].shape[0])  # [H_kv, g*n, d]
+    logits = []
+    for k, _, mask, channels in parts:
+        qp = qg if channels is None else qg.gather(-1, channels[:, None, :].expand(-1, qg.shape[1], -1))
+        logits.append(attention_scores(qp, k, mask, scale, softcap))
+    probs = torch.cat(logits, dim=-1).softmax(-1)  # [H_kv, g*n, sum L_i]
+    out, at = None, 0
+    for k, v, _, _ in parts:
+        o = torch.matmul(probs[..., at:at + k.shape[1]].to(v.dtype), v)
+        out, at = o if out is None else out + o, at + k.shape[1]
+    return unfold_rows(out, q.shape[0])

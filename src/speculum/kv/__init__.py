@@ -16,6 +16,7 @@
 ``kv_quant``         KIVI: keys per channel, values per token, 2 or 4 bits, recent tokens in full precision
 ``gear``             GEAR: KIVI's codes + a low-rank approximation of their error + exact outliers
 ``zipcache``         ZipCache: salient tokens (normalized attention) at 4 bits, the others at 2
+``think``            ThinK: the prompt's keys keep the channels its last queries weigh most (optionally after SnapKV)
 *sparse reads (the whole cache stored, a budget of it read per step)*
 ``tidal``            TidalDecode: sparse reads of the top-k tokens chosen in selection layers
 ``quest``            Quest: sparse reads of the pages with the best key-bound scores
@@ -59,6 +60,7 @@ from .recycled import RecycledPolicy
 from .snapkv import SnapKVPolicy
 from .squeezed import SqueezedPolicy
 from .streaming import StreamingPolicy
+from .think import ThinKPolicy
 from .tidal import TidalPolicy
 from .tokenselect import TokenSelectPolicy
 from .zipcache import ZipCachePolicy
@@ -74,6 +76,7 @@ POLICIES: dict[str, type[KVPolicy]] = {
     "kv_quant": KVQuantPolicy,
     "gear": GearPolicy,
     "zipcache": ZipCachePolicy,
+    "think": ThinKPolicy,
     "tidal": TidalPolicy,
     "quest": QuestPolicy,
     "keyformer": KeyformerPolicy,
