@@ -25,6 +25,7 @@
 ``squeezed``         Squeezed Attention: prompt keys clustered at prefill, the matching clusters read
 ``recycled``         Recycled Attention: full attention every ``stride`` positions, its top-k recycled in between
 ``hip``              HiP: hierarchical top-k over key blocks judged by representative keys
+``shadowkv``         ShadowKV: low-rank pre-RoPE keys, sparse reads of the chunks whose landmarks score best (values kept)
 ===================  ====================================================================================
 
 Speculation under a lossy policy gives what plain decoding under it gives where the policy allows:
@@ -57,6 +58,7 @@ from .kv_quant import KVQuantPolicy
 from .pyramidkv import PyramidKVPolicy
 from .quest import QuestPolicy
 from .recycled import RecycledPolicy
+from .shadowkv import ShadowKVPolicy
 from .snapkv import SnapKVPolicy
 from .squeezed import SqueezedPolicy
 from .streaming import StreamingPolicy
@@ -87,6 +89,7 @@ POLICIES: dict[str, type[KVPolicy]] = {
     "squeezed": SqueezedPolicy,
     "recycled": RecycledPolicy,
     "hip": HiPPolicy,
+    "shadowkv": ShadowKVPolicy,
 }
 POLICY_NAMES = ("full",) + tuple(POLICIES)
 
