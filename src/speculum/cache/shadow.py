@@ -90,20 +90,26 @@ class ShadowKVCache(PositionedKVCache):
         roped = self.layout.rotary[layer].shift(pre.reshape(heads * m, -1), tokens.flatten())
         return roped.view(heads, m, -1).to(self.dtype)
 
-    def attend_shadow(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
-                      select: int) -> torch.Tensor:
-        """Write the new entries ``k, v [n, H_kv, d]``; attend ``q [n, H, d]`` over the whole entries and,
-        per row and KV head, the ``select`` chunks whose landmarks score best (softmax over the
-        landmarks per query head, the largest over a KV group's heads) -> ``[n, H*d]``."""
-        s, sh, n = self.layout, self.shadow[layer], step.n
-        self.write(layer, k, v)
-        end = self.length + n
-        whole = (self.kv[layer, 0, :, :end], self.kv[layer, 1, :, :end], self.mask(layer, False, step), None)
+    def chosen_chunks(self, layer: int, q: torch.Tensor, select: int) -> torch.Tensor:
+        """Each row's choice ``[H_kv, n, c]`` bool among ``layer``'s selectable chunks for ``q [n, H, d]``:
+        the ``select`` best per KV head by landmark score (softmax over the landmarks per query head,
+        the largest over a KV group's heads)."""
+        s, sh, n = self.layout, self.shadow[layer], q.shape[0]
         qg = fold_queries(q, s.kv_heads)  # [H_kv, g*n, d]
         probs = attention_scores(qg, sh.landmarks, None, s.scale, s.softcap).softmax(-1)  # [H_kv, g*n, c]
         best = probs.view(s.kv_heads, s.group, n, -1).amax(1)  # [H_kv, n, c]
         chosen = torch.zeros_like(best, dtype=torch.bool)
-        chosen.scatter_(-1, best.topk(min(select, best.shape[-1]), dim=-1).indices, True)
+        return chosen.scatter_(-1, best.topk(min(select, best.shape[-1]), dim=-1).indices, True)
+
+    def attend_shadow(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
+                      select: int) -> torch.Tensor:
+        """Write the new entries ``k, v [n, H_kv, d]``; attend ``q [n, H, d]`` over the whole entries and,
+        per row and KV head, the ``select`` chunks :meth:`chosen_chunks` names -> ``[n, H*d]``."""
+        s, sh, n = self.layout, self.shadow[layer], step.n
+        self.write(layer, k, v)
+        end = self.length + n
+        whole = (self.kv[layer, 0, :, :end], self.kv[layer, 1, :, :end], self.mask(layer, False, step), None)
+        chosen = self.chosen_chunks(layer, q, select)
         union = chosen.any(1)  # [H_kv, c]
         width = int(union.sum(-1).max())
         cols = torch.sort((~union).to(torch.uint8), dim=-1, stable=True).indices[:, :width]  # [H_kv, width]
