@@ -150,9 +150,8 @@ def run_longctx(model, tokenizer, suite: Suite, protocol: str = "aware", chat: b
         raise SpeculumError(f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}")
     runner = runner_for(model)
     max_pos = runner.max_positions
-    budget_free = ("full", "kv_quant")  # no budget applies
-    configs = [(spec, b) for spec in suite.policies
-               for b in (["-"] if spec.partition(":")[0] in budget_free else suite.budgets)]
+    budget_free = lambda spec: getattr(make_policy(spec), "uses_budget", False) is False  # full, the quantizers
+    configs = [(spec, b) for spec in suite.policies for b in (["-"] if budget_free(spec) else suite.budgets)]
     if reproducible and not hasattr(runner, "invariant"):
         raise SpeculumError("the reproducible mode needs the native runner")
     exact = runner.invariant() if reproducible else runner
@@ -259,7 +258,7 @@ def markdown(rows: list[dict]) -> str:
 
 def budget_fraction(row: dict, full_bytes: int | None) -> float:
     """A row's KV budget as a fraction of the context: tokens kept (eviction) or read per step
-    (tidal, quest); bytes held against the full cache for budget-free policies (kv_quant, full)."""
+    (tidal, quest, shadowkv); bytes held against the full cache for budget-free policies (full, the quantizers)."""
     budget = row["budget"]
     if budget == "-":
         return row["kv_bytes"] / full_bytes if full_bytes else 1.0

@@ -29,8 +29,12 @@ def add_parser(sub) -> None:
                "residual=32)\n"
                "  tidal      TidalDecode: top-k tokens from selection layers        (layers=6+14, kernel=7)\n"
                "  quest      Quest: top pages by key-bound scores                   (page=16, dense=2)\n"
+               "  think      ThinK: prompt keys keep the channels queries weigh     (prune=0.4, recent=32, snapkv=0)\n"
+               "  gear       GEAR: KIVI + low-rank residual + exact outliers        (bits=4, rank=4, sparsity=0.02)\n"
+               "  zipcache   ZipCache: salient tokens 4-bit, the others 2-bit       (ratio=0.4, probes=0.1)\n"
+               "  shadowkv   ShadowKV: low-rank pre-RoPE keys, landmark-chosen chunks (rank=64, outliers=48)\n"
                "budgets: tokens (1024) or a ratio of the prompt (0.25): tokens kept (eviction) or read per "
-               "step (tidal, quest); kv_quant ignores them.\n"
+               "step (tidal, quest, shadowkv); kv_quant, gear, zipcache and think (without snapkv=1) ignore them.\n"
                "protocols: aware = the policy sees the question at prefill; agnostic = the context is "
                "compressed first, then the question is appended (kvpress's default).")
     lc.add_argument("--lengths", default="1024,2048,4096,8192",

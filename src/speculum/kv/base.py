@@ -87,12 +87,15 @@ class KVPolicy:
             ThinK, ZipCache).
         rolling: the cache numbers positions by slot (StreamingLLM), so a sequence may run past the
             model's context length.
+        uses_budget: whether the budget changes what the policy keeps or reads (False for the
+            quantizers, which compress every token: a sweep over budgets runs them once).
     """
 
     name = "?"
     prefill_scores: str | None = None
     observation_window = 32
     rolling = False
+    uses_budget = True
 
     def __init__(self, budget="0.25"):
         self.budget = Budget.parse(budget)

@@ -24,6 +24,7 @@ class KVQuantPolicy(KVPolicy):
     """KIVI-style asymmetric low-bit KV cache (``bits`` 2 or 4). The budget does not apply."""
 
     name = "kv_quant"
+    uses_budget = False
 
     def __init__(self, budget=None, bits: int = 4, group: int = 32, residual: int = 32):
         self.budget = None

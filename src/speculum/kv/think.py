@@ -56,7 +56,7 @@ class ThinKPolicy(SnapKVPolicy):
                  kernel: int = 15):
         super().__init__(budget, window, kernel)
         self.prune, self.recent = float(prune), int(recent)
-        self.select = str(snapkv).lower() not in ("0", "false", "no")
+        self.select = self.uses_budget = str(snapkv).lower() not in ("0", "false", "no")
         if not 0 <= self.prune < 1 or self.recent < 0:
             raise ValueError(f"think takes prune in [0, 1) and recent >= 0, got {prune}, {recent}")
 

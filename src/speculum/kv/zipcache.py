@@ -52,6 +52,7 @@ class ZipCachePolicy(KVPolicy):
 
     name = "zipcache"
     prefill_scores = "queries"
+    uses_budget = False
 
     def __init__(self, budget=None, hi_bits: int = 4, lo_bits: int = 2, ratio: float = 0.4, probes: float = 0.1,
                  group: int = 32, residual: int = 32):
