@@ -25,15 +25,17 @@
 ``squeezed``         Squeezed Attention: prompt keys clustered at prefill, the matching clusters read
 ``recycled``         Recycled Attention: full attention every ``stride`` positions, its top-k recycled in between
 ``hip``              HiP: hierarchical top-k over key blocks judged by representative keys
-``shadowkv``         ShadowKV: low-rank pre-RoPE keys, sparse reads of the chunks whose landmarks score best (values kept)
+``shadowkv``         ShadowKV: keys stored low-rank before RoPE, the chunks with the best landmarks rebuilt and read
 ===================  ====================================================================================
 
 Speculation under a lossy policy gives what plain decoding under it gives where the policy allows:
-policies that decide at prefill only are unaffected by how tokens are grouped into steps; those that
-evict or quantize while decoding stop each step's tree at their next decision point
-(:meth:`KVPolicy.draft_depth`); the last five sparse-read policies decide per query row
-(:mod:`speculum.kv.rows`), so a tree step reads for each row what a one-token step at its position
-would (up to floating-point rounding, as without a policy).
+policies that decide at prefill only (ThinK too) are unaffected by how tokens are grouped into
+steps; those that evict while decoding stop each step's tree at their next decision point
+(:meth:`KVPolicy.draft_depth`); the quantizers with a full-precision window (KIVI, GEAR, ZipCache)
+let each row of a tree read the groups a one-token step at its position would already have
+quantized (:mod:`speculum.cache.window`); the last six sparse-read policies decide per query row
+(:mod:`speculum.kv.rows`; ShadowKV its own way), so a tree step reads for each row what a
+one-token step at its position would (up to floating-point rounding, as without a policy).
 
 A policy is named on the command line as ``name`` or ``name:option=value,...`` (for example
 ``tidal:layers=6+14``, ``kv_quant:bits=2``, ``quest:page=32``); the budget (tokens or a ratio of

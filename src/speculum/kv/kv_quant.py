@@ -58,9 +58,10 @@ class KVQuantPolicy(KVPolicy):
         return cache.attend(layer, sliding, q, k, v, step)
 
     def draft_depth(self, cache: QuantKVCache) -> int | None:
-        """Plain decoding quantizes a group after the commit that fills the window to ``residual +
-        group`` entries: a step may commit up to that one, no further."""
-        return max(0, self.residual + self.group - 1 - cache.r)
+        """No limit: plain decoding quantizes a group after the commit that fills the window to
+        ``residual + group`` entries, and a tree's rows past that point read the group quantized
+        (:class:`~speculum.cache.window.WindowKVCache`'s views), so trees need not stop there."""
+        return None
 
     def after_commit(self, cache: QuantKVCache) -> None:
         cache.flush()
