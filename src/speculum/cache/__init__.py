@@ -8,7 +8,11 @@ caches that extend it.
   padded to its longest (budget-allocation policies: PyramidKV, CAKE, AdaKV);
 - :class:`MergedKVCache`: a positioned cache whose slots may hold merged clusters of tokens, read
   with a ``log`` cluster-size attention bias (Chelsea);
-- :class:`QuantKVCache`: packed 2/4-bit entries plus a full-precision window (KIVI);
+- :class:`QuantKVCache`: packed 2/4-bit entries plus a full-precision window (KIVI), on the
+  residual-window layout of :mod:`.window` that GEAR (:mod:`.gear`: low-rank and sparse
+  corrections per chunk) and ZipCache (:mod:`.mixed`: mixed precision by saliency) share;
+- :mod:`.pruned`: a positioned cache whose older prompt keys keep chosen channels (ThinK);
+- :mod:`.shadow`: a positioned cache plus low-rank pre-RoPE prompt keys read back by chunk (ShadowKV);
 - :class:`SlotPool` / :class:`SlotCache`: many sequences' static caches in one buffer (batching).
 """
 
