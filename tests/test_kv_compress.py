@@ -232,3 +232,18 @@ def test_registry_and_bad_options():
         with pytest.raises(SpeculumError):
             make_policy(bad)
     assert repr(make_policy("think:snapkv=1", "0.5")) == "think(prune=0.4, snapkv, budget=0.5)"
+
+
+@pytest.mark.slow
+def test_packaged_models_under_covering_settings(smollm2_f32, gemma3_f32):
+    """Real weights, float32, a prompt past Gemma-3's 512-token window: with nothing pruned, quantized
+    or left out (ShadowKV at full rank reads every chunk), each policy decodes as without one."""
+    from speculum.prompts import encode_prompt
+
+    for model, tok in (smollm2_f32, gemma3_f32):
+        ids = encode_prompt(tok, "The old lighthouse keeper wrote in his log every night. " * 60)
+        runner = runner_for(model, "native")
+        base = Engine(runner, AutoregressiveDrafter()).generate(ids, 16).tokens
+        for spec in ("think:prune=0", "gear:residual=100000", "zipcache:residual=100000", "shadowkv:rank=1024"):
+            engine = Engine(under_policy(runner, make_policy(spec, "100000")), AutoregressiveDrafter())
+            assert engine.generate(ids, 16).tokens == base, spec
