@@ -36,7 +36,9 @@ STEP_INVARIANT = ["streaming", "h2o", "snapkv", "kv_quant"]
 TESTED_ELSEWHERE = {"pyramidkv": "test_kv_budgets", "cake": "test_kv_budgets", "adakv": "test_kv_budgets",
                     "keyformer": "test_kv_evict", "d2o": "test_kv_evict", "chelsea": "test_kv_evict",
                     "double_sparsity": "test_kv_sparse", "tokenselect": "test_kv_sparse", "squeezed": "test_kv_sparse",
-                    "recycled": "test_kv_sparse", "hip": "test_kv_sparse"}
+                    "recycled": "test_kv_sparse", "hip": "test_kv_sparse",
+                    "think": "test_kv_compress", "gear": "test_kv_compress", "zipcache": "test_kv_compress",
+                    "shadowkv": "test_kv_compress"}
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
@@ -87,8 +89,10 @@ def test_small_budget_under_speculation(tiny, spec):
 
 @pytest.mark.parametrize("spec", STEP_INVARIANT)
 def test_every_drafter_equals_ar_under_a_lossy_policy(tiny, spec):
-    """Eviction and quantization while decoding: each step's tree stops at the policy's next decision
-    point (``draft_depth``), so every drafter reproduces ``ar`` under the same lossy policy."""
+    """Eviction while decoding: each step's tree stops at the policy's next eviction (``draft_depth``);
+    KIVI's rows read the groups a one-token step at their position would already have quantized
+    (:class:`~speculum.cache.window.WindowKVCache`): every drafter reproduces ``ar`` under the same
+    lossy policy."""
     assert_drafters_equal_ar(tiny, spec, "12", lookup_prompt(60))
 
 
