@@ -5,6 +5,8 @@ caches that extend it.
 - :class:`PositionedKVCache`: a static cache whose slots remember their positions (eviction and
   sparse-read KV policies; rolling positions for StreamingLLM);
 - :class:`QuantKVCache`: packed 2/4-bit entries plus a full-precision window (KIVI);
+- :class:`SplitHeadCache`: KV heads in groups that keep every entry or only sinks and a recent
+  window (DuoAttention's retrieval and streaming heads);
 - :class:`SlotPool` / :class:`SlotCache`: many sequences' static caches in one buffer (batching).
 """
 
@@ -12,6 +14,8 @@ from .base import KVCache
 from .pool import SlotCache, SlotPool
 from .positioned import PositionedKVCache
 from .quantized import QuantKVCache
+from .split import GroupSpec, SplitHeadCache
 from .static import StaticKVCache
 
-__all__ = ["KVCache", "PositionedKVCache", "QuantKVCache", "SlotCache", "SlotPool", "StaticKVCache"]
+__all__ = ["GroupSpec", "KVCache", "PositionedKVCache", "QuantKVCache", "SlotCache", "SlotPool", "SplitHeadCache",
+           "StaticKVCache"]

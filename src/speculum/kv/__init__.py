@@ -8,6 +8,7 @@
 ``kv_quant``   KIVI: keys per channel, values per token, 2 or 4 bits, recent tokens in full precision
 ``tidal``      TidalDecode: full cache, sparse reads of the top-k tokens chosen in selection layers
 ``quest``      Quest: full cache, sparse reads of the pages with the best key-bound scores
+``duo``        DuoAttention: learned gates; retrieval heads keep all, streaming heads sinks + window
 =============  ====================================================================================
 
 A policy is named on the command line as ``name`` or ``name:option=value,...`` (for example
@@ -20,6 +21,7 @@ from __future__ import annotations
 from ..errors import SpeculumError
 from ..options import parse_named
 from .base import Budget, KVPolicy
+from .duo_attention import DuoAttentionPolicy
 from .h2o import H2OPolicy
 from .kv_quant import KVQuantPolicy
 from .quest import QuestPolicy
@@ -35,6 +37,7 @@ POLICIES: dict[str, type[KVPolicy]] = {
     "kv_quant": KVQuantPolicy,
     "tidal": TidalPolicy,
     "quest": QuestPolicy,
+    "duo": DuoAttentionPolicy,
 }
 POLICY_NAMES = ("full",) + tuple(POLICIES)
 

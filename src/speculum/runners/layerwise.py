@@ -17,7 +17,8 @@ SCORE_ROWS = 32  # prompt queries per slice when accumulating attention (H2O)
 
 
 @torch.inference_mode()
-def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, window_rows: int, store) -> torch.Tensor:
+def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, window_rows: int, store,
+                      attend=None) -> torch.Tensor:
     """Run ``ids`` (``n`` tokens at positions ``0 .. n-1``) through ``decoder``.
 
     Args:
@@ -50,7 +51,8 @@ def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, w
             else:  # sliding-window layers and a short last chunk: built for this chunk and layer
                 vis = visibility(a, positions[a:b], None, s.sliding_window)[layer.sliding]
                 mask = grouped(vis, s.group, decoder.dtype)
-            chunk_store = ChunkStore(decoder, buf, a, b, mask, acc, tail if want == "window" and b > w0 else None, w0)
+            chunk_store = ChunkStore(decoder, buf, a, b, mask, acc, tail if want == "window" and b > w0 else None, w0,
+                                     attend)
             part = {kind: (cos[a:b], sin[a:b]) for kind, (cos, sin) in rope.items()}
             h[a:b] = decoder.layer_forward(i, layer, h[a:b], part, chunk_store)
             if shared:
@@ -93,13 +95,13 @@ class ChunkStore:
     """One prompt chunk's :class:`~speculum.cache.store.KVStore` in one layer: its entries go to
     ``a .. b-1`` of the layer's buffer ``buf [2, H_kv, n, d]`` and it attends over ``0 .. b-1``; its
     attention is added to ``acc [H_kv, n]`` and the queries of positions ``w0 ..`` kept in ``tail``
-    where those are given."""
+    where those are given; ``attend`` (see :func:`prefill_layerwise`) may compute the attention instead."""
 
     compiled = None
 
-    def __init__(self, decoder, buf, a: int, b: int, mask, acc, tail, w0: int):
+    def __init__(self, decoder, buf, a: int, b: int, mask, acc, tail, w0: int, attend=None):
         self.decoder, self.buf, self.a, self.b, self.mask = decoder, buf, a, b, mask
-        self.acc, self.tail, self.w0 = acc, tail, w0
+        self.acc, self.tail, self.w0, self.policy_attend = acc, tail, w0, attend
 
     def attend(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         decoder, buf, a, b, mask = self.decoder, self.buf, self.a, self.b, self.mask
@@ -112,4 +114,8 @@ class ChunkStore:
                                                    decoder.shape.attn_softcap).sum(1)
         if self.tail is not None:
             self.tail.append(q[max(0, self.w0 - a):])
+        if self.policy_attend is not None:
+            out = self.policy_attend(layer, sliding, q, buf, a, b, mask)
+            if out is not None:
+                return out
         return decoder.attend(q, buf[0, :, :b], buf[1, :, :b], mask)
