@@ -174,6 +174,9 @@ class DuoAttentionPolicy(KVPolicy):
 
     def attach(self, layout: AttentionLayout, model_key: str) -> None:
         if self.gates_from == "auto":
+            if self.gates is not None and self.gates.model != model_key:
+                raise SpeculumError(f"this duo policy holds the gates of {self.gates.model}; make another one "
+                                    f"for {model_key or 'this model'}")
             path = shipped_gates(model_key)
             if path is None:
                 name = model_key or "this model"
