@@ -89,6 +89,13 @@ def test_mixing_forward_is_full_at_one_and_the_policys_streaming_at_zero(tmp_pat
     logits = runner.forward(cache, int(ids[-1]), DraftTree()).logits
     torch.testing.assert_close(logits, streaming, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(streaming, model.lm_head(plain[-1:]), atol=1e-2)  # the window matters here
+    # Gemma-3: sliding-window layers keep their own attention and get no gates
+    gemma = tiny_gemma3()
+    mixer = mixer_for(gemma, 2, 8)
+    with torch.no_grad():
+        plain = gemma.model(input_ids=ids[None]).last_hidden_state[0]
+        torch.testing.assert_close(final_hidden(gemma, ids, mixer), plain, atol=1e-5, rtol=1e-5)
+    assert mixer.gated().numel() == 1 and mixer.to_gates("", {}).alpha[:3].isnan().all()
 
 
 def test_a_few_steps_lower_the_objective(tmp_path):

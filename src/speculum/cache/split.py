@@ -99,9 +99,13 @@ class HeadGroup:
         vis = vis if full is None else vis & full
         return None if n == 1 and bool(vis.all()) else vis
 
-    def nbytes(self) -> int:
+    def entry_bytes(self) -> int:
+        """Bytes of one entry of every head (keys and values)."""
         _, rows, _, d = self.kv.shape
-        return 2 * rows * d * self.used * self.kv.element_size()
+        return 2 * rows * d * self.kv.element_size()
+
+    def nbytes(self) -> int:
+        return self.used * self.entry_bytes()
 
 
 @dataclass(frozen=True)
@@ -223,8 +227,8 @@ class SplitHeadCache(KVCache):
         return sum(g.nbytes() for g in self.groups)
 
     def entry_bytes(self) -> int:
-        """Bytes one committed token costs in the full groups (window groups stop growing)."""
-        return sum(g.nbytes() // max(g.used, 1) for g in self.groups if g.spec.window is None)
+        """Bytes one more committed token costs in the full groups (window groups stop growing)."""
+        return sum(g.entry_bytes() for g in self.groups if g.spec.window is None)
 
     # -- attention -------------------------------------------------------------------------------
     def _mask(self, gi: int, step: Step) -> torch.Tensor | None:

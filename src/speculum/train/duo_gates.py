@@ -193,8 +193,10 @@ def mixing(model):
     """Within the block, ``model`` (a transformers causal LM) attends through :func:`mixed_attention`
     (its forward then takes ``duo=GateMixer``); its attention implementation is restored after."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTENTION_NAME, mixed_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)  # SDPA's masks (sliding-window layers need theirs)
     configs = {id(c): c for c in (model.config, model.model.config)}.values()
     before = [c._attn_implementation for c in configs]
     try:
