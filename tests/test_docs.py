@@ -38,7 +38,7 @@ def test_cli_reference_has_every_subcommand_and_flag():
     text = ref.render(parser)
     commands = ref.subcommands(parser)
     assert [name for name, _, _ in commands] == ["generate", "bench", "calibrate", "longctx", "train-draft",
-                                                 "export-head", "serve"]
+                                                 "train-duo", "export-head", "serve"]
     for name, _, sub in commands:
         assert f"## speculum {name}\n" in text
         for action in sub._actions:

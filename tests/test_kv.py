@@ -38,7 +38,7 @@ TESTED_ELSEWHERE = {"pyramidkv": "test_kv_budgets", "cake": "test_kv_budgets", "
                     "double_sparsity": "test_kv_sparse", "tokenselect": "test_kv_sparse", "squeezed": "test_kv_sparse",
                     "recycled": "test_kv_sparse", "hip": "test_kv_sparse",
                     "think": "test_kv_compress", "gear": "test_kv_compress", "zipcache": "test_kv_compress",
-                    "shadowkv": "test_kv_compress"}
+                    "shadowkv": "test_kv_compress", "duo": "test_kv_duo"}
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])

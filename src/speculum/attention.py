@@ -132,6 +132,13 @@ def in_window(key_pos: torch.Tensor, query_pos: torch.Tensor, window: int) -> to
     return key_pos[..., None, :] > query_pos[:, None] - window
 
 
+def sinks_or_window(key_pos: torch.Tensor, query_pos: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
+    """The streaming rule (StreamingLLM's attention sinks, DuoAttention's streaming heads): ``key_pos [L]``
+    against ``query_pos [n]`` -> bool ``[n, L]``, True where the key is one of the first ``sinks``
+    positions or lies fewer than ``window`` positions behind the query. (Causality is the caller's.)"""
+    return (key_pos < sinks)[None, :] | in_window(key_pos, query_pos, window)
+
+
 def window_start(positions: torch.Tensor, window: int | None) -> int:
     """The first position any of the queries at ``positions [n]`` still sees through a sliding
     ``window`` (0 without one): keys before it can be skipped."""

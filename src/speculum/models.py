@@ -246,6 +246,26 @@ def resolve(model: str) -> tuple[str, str]:
     )
 
 
+def target_key(model) -> str:
+    """The name a model's shipped data (draft heads, DuoAttention's gates) is filed under: the GGUF
+    file's stem, a local directory's name, or a hub id with ``/`` as ``--`` (for
+    ``model.speculum_name`` as given to :func:`speculum.load`); "" when the model has no name."""
+    name = getattr(model, "speculum_name", None)
+    if not name:
+        name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if not name:
+        return ""
+    try:
+        kind, where = resolve(name)
+    except SpeculumError:
+        return ""
+    if kind == "gguf":
+        return Path(where).name.removesuffix(".gguf")
+    if kind == "dir":
+        return Path(where).resolve().name
+    return where.replace("/", "--")
+
+
 def _location(model: str, weights: bool) -> str:
     """Where ``from_pretrained`` finds ``model``; for a GGUF file, its weights only if ``weights``."""
     kind, where = resolve(model)

@@ -13,6 +13,8 @@ caches that extend it.
   corrections per chunk) and ZipCache (:mod:`.mixed`: mixed precision by saliency) share;
 - :mod:`.pruned`: a positioned cache whose older prompt keys keep chosen channels (ThinK);
 - :mod:`.shadow`: a positioned cache plus low-rank pre-RoPE prompt keys read back by chunk (ShadowKV);
+- :class:`SplitHeadCache`: KV heads in groups that keep every entry or only sinks and a recent
+  window (DuoAttention's retrieval and streaming heads);
 - :class:`SlotPool` / :class:`SlotCache`: many sequences' static caches in one buffer (batching).
 """
 
@@ -22,7 +24,8 @@ from .pool import SlotCache, SlotPool
 from .positioned import PositionedKVCache
 from .quantized import QuantKVCache
 from .ragged import RaggedKVCache
+from .split import GroupSpec, SplitHeadCache
 from .static import StaticKVCache
 
-__all__ = ["KVCache", "MergedKVCache", "PositionedKVCache", "QuantKVCache", "RaggedKVCache", "SlotCache", "SlotPool",
-           "StaticKVCache"]
+__all__ = ["GroupSpec", "KVCache", "MergedKVCache", "PositionedKVCache", "QuantKVCache", "RaggedKVCache", "SlotCache", "SlotPool",
+           "SplitHeadCache", "StaticKVCache"]

@@ -1,5 +1,5 @@
-"""``speculum`` command line: ``generate``, ``bench``, ``calibrate``, ``longctx``, ``serve``, ``train-draft``
-and ``export-head``.
+"""``speculum`` command line: ``generate``, ``bench``, ``calibrate``, ``longctx``, ``serve``, ``train-draft``,
+``train-duo`` and ``export-head``.
 
 User mistakes (unknown model or method, bad parameters, empty prompt, ...) print one line
 ``speculum: error: ...`` and exit with status 2; they never show a traceback.
@@ -13,11 +13,11 @@ import os
 import sys
 
 from ..errors import SpeculumError
-from . import bench, calibrate, export_head, generate, longctx, serve, train_draft
+from . import bench, calibrate, export_head, generate, longctx, serve, train_draft, train_duo
 
 # subcommand name -> its module (``add_parser(sub)`` and ``run(args) -> exit status``), in --help's order
 COMMANDS = {"generate": generate, "bench": bench, "calibrate": calibrate, "longctx": longctx,
-            "train-draft": train_draft, "export-head": export_head, "serve": serve}
+            "train-draft": train_draft, "train-duo": train_duo, "export-head": export_head, "serve": serve}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpeculumError
+from ..models import target_key
 from .eagle import EagleConfig, EagleHead, HeadCache
 from .hydra import HydraConfig, HydraHeads
 from .kangaroo import KangarooAdapter, KangarooConfig
@@ -53,27 +54,6 @@ __all__ = [
     "shipped_draft_vocab",
     "target_key",
 ]
-
-
-def target_key(model) -> str:
-    """The name shipped heads are filed under: the GGUF file's stem, a local directory's name, or a
-    hub id with ``/`` as ``--`` (for ``model.speculum_name`` as given to :func:`speculum.load`)."""
-    from ..models import resolve
-
-    name = getattr(model, "speculum_name", None)
-    if not name:
-        name = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
-    if not name:
-        return ""
-    try:
-        kind, where = resolve(name)
-    except SpeculumError:
-        return ""
-    if kind == "gguf":
-        return Path(where).name.removesuffix(".gguf")
-    if kind == "dir":
-        return Path(where).resolve().name
-    return where.replace("/", "--")
 
 
 def find_head(model, kind: str) -> Path | None:

@@ -3,9 +3,13 @@
 A policy decides what the KV cache stores and what each decode step reads. It plugs into the
 runner (:class:`~speculum.runners.policy.PolicyRunner`), which calls it at four points:
 
+- **attach**, once, when the policy is plugged into a runner: :meth:`KVPolicy.attach` sees the
+  model's attention layout and name (a policy with learned per-model data finds it there);
 - **prefill**, layer by layer: :meth:`KVPolicy.store_prefill` receives one layer's full keys and
   values (and, if the policy asks, attention statistics) and stores what it keeps, so the full
-  cache of all layers never exists at once (peak memory really falls);
+  cache of all layers never exists at once (peak memory really falls); a policy whose heads do not
+  all attend over the whole prompt computes the prompt's attention itself
+  (:meth:`KVPolicy.prefill_attend`);
 - **attention**, at every layer of every forward: :meth:`KVPolicy.attend` writes the new entries
   and attends over what the policy chooses to read;
 - **commit**: :meth:`KVPolicy.before_commit` sees which pending entries (root and accepted path)
@@ -103,6 +107,11 @@ class KVPolicy:
     def __repr__(self) -> str:
         return f"{self.name}(budget={self.budget})"
 
+    def attach(self, layout: AttentionLayout, model_key: str) -> None:
+        """Plugged into a runner for the model named ``model_key`` (``speculum.models.target_key``:
+        the GGUF file's stem, a directory's name, a hub id; "" when unknown). Raises
+        :class:`~speculum.errors.SpeculumError` where the policy cannot run that model."""
+
     def new_cache(self, layout: AttentionLayout, dtype: torch.dtype, device, capacity: int) -> KVCache:
         """A fresh cache for one request (``capacity``: prompt + new tokens + draft nodes)."""
         raise NotImplementedError
@@ -132,6 +141,13 @@ class KVPolicy:
         """The prompt rows ``[w]`` (increasing) whose queries :meth:`store_prefill` receives when
         :attr:`prefill_scores` is ``"queries"``: by default the last ``observation_window``."""
         return torch.arange(max(0, n - self.observation_window), n)
+
+    def prefill_attend(self, cache, layer: int, sliding: bool, q: torch.Tensor, kv: torch.Tensor, a: int, b: int,
+                       mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The attention of prompt rows ``a .. b-1`` (``q [b-a, H, d]``) over the layer's prompt entries
+        ``kv [2, H_kv, n, d]`` (the first ``b`` written), under the prefill's folded ``mask``, or None
+        for the layer-by-layer prefill's own (every head over every earlier prompt entry)."""
+        return None
 
     def attend(self, cache, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                step: Step) -> torch.Tensor:

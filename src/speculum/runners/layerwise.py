@@ -21,7 +21,7 @@ TAIL = (*WINDOW, "queries")  # the kinds that keep some prompt queries
 
 @torch.inference_mode()
 def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, window_rows: int | torch.Tensor,
-                      store, vote=None) -> torch.Tensor:
+                      store, vote=None, attend=None) -> torch.Tensor:
     """Run ``ids`` (``n`` tokens at positions ``0 .. n-1``) through ``decoder``.
 
     Args:
@@ -62,7 +62,8 @@ def prefill_layerwise(decoder, ids: list[int], chunk: int, scores: str | None, w
                 vis = visibility(a, positions[a:b], None, s.sliding_window)[layer.sliding]
                 mask = grouped(vis, s.group, decoder.dtype)
             kept = rows[(rows >= a) & (rows < b)] - a if want in TAIL else None
-            chunk_store = ChunkStore(decoder, buf, a, b, mask, acc, tail, kept, vote if want == "logits" else None)
+            chunk_store = ChunkStore(decoder, buf, a, b, mask, acc, tail, kept, vote if want == "logits" else None,
+                                     attend)
             part = {kind: (cos[a:b], sin[a:b]) for kind, (cos, sin) in rope.items()}
             h[a:b] = decoder.layer_forward(i, layer, h[a:b], part, chunk_store)
             if shared:
@@ -107,13 +108,13 @@ class ChunkStore:
     ``a .. b-1`` of the layer's buffer ``buf [2, H_kv, n, d]`` and it attends over ``0 .. b-1``; its
     attention (or, given ``vote``, its vote on the attention logits) is added to ``acc [H_kv, n]``
     and the queries of its rows ``kept [k]`` (indices within the chunk) appended to ``tail`` where
-    those are given."""
+    those are given; ``attend`` (see :func:`prefill_layerwise`) may compute the attention instead."""
 
     compiled = None
 
-    def __init__(self, decoder, buf, a: int, b: int, mask, acc, tail, kept, vote=None):
+    def __init__(self, decoder, buf, a: int, b: int, mask, acc, tail, kept, vote=None, attend=None):
         self.decoder, self.buf, self.a, self.b, self.mask = decoder, buf, a, b, mask
-        self.acc, self.tail, self.kept, self.vote = acc, tail, kept, vote
+        self.acc, self.tail, self.kept, self.vote, self.policy_attend = acc, tail, kept, vote, attend
 
     def attend(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         decoder, buf, a, b, mask = self.decoder, self.buf, self.a, self.b, self.mask
@@ -129,6 +130,10 @@ class ChunkStore:
                     self.acc[:, :b] += self._vote(layer, q[r:r + SCORE_ROWS], rows, a + r)
         if self.kept is not None and self.kept.numel():
             self.tail.append(q.index_select(0, self.kept))
+        if self.policy_attend is not None:
+            out = self.policy_attend(layer, sliding, q, buf, a, b, mask)
+            if out is not None:
+                return out
         return decoder.attend(q, buf[0, :, :b], buf[1, :, :b], mask)
 
     def _vote(self, layer: int, q: torch.Tensor, mask: torch.Tensor | None, first: int) -> torch.Tensor:

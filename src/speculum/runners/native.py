@@ -21,7 +21,7 @@ import torch
 
 from ..attention import Step, grouped, visibility
 from ..cache import SlotCache, SlotPool, StaticKVCache
-from ..models import context_length
+from ..models import context_length, target_key
 from ..tree import DraftTree
 from .base import Forward, RunnerBase
 from .batched import batched_forward, stack_rows
@@ -67,6 +67,7 @@ class NativeRunner(RunnerBase):
         self.device, self.dtype = self.decoder.device, self.decoder.dtype
         self.vocab_size = s.vocab
         self.max_positions = context_length(self.config)
+        self.target = target_key(model)  # the model's name for its shipped data (KV policies' attach)
         self.prefill_chunk = prefill_chunk
         self._steps(cuda_graphs, graph_context, fixed_rows)
 

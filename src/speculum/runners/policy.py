@@ -3,8 +3,9 @@
 The policy (:mod:`speculum.kv`) decides what the cache stores and what each step reads; this runner
 calls it where a runner's work touches the cache:
 
+- the policy is attached to the model (:meth:`~speculum.kv.KVPolicy.attach`: its layout and name);
 - prefill runs layer by layer (:func:`~speculum.runners.layerwise.prefill_layerwise`) and hands
-  each layer to the policy, which keeps what it wants; ``query_start`` (the query-agnostic
+  each layer to the policy, which keeps what it wants (and may compute the prompt's attention); ``query_start`` (the query-agnostic
   protocol) compresses ``prompt[:query_start]`` first and appends the rest as decoding steps;
 - every forward's attention goes through the policy's ``attend`` (:class:`PolicyStore`);
 - :meth:`PolicyRunner.commit` tells the policy what is kept (``before_commit``), commits, and lets
@@ -46,6 +47,7 @@ class PolicyRunner(RunnerBase):
             raise SpeculumError("KV policies run on the native runner (Llama-family and Gemma-3 models); "
                                 "this model runs on the Hugging Face runner")
         self.inner, self.policy = runner, policy
+        policy.attach(runner.layout, getattr(runner, "target", ""))
         self.decoder, self.layout = runner.decoder, runner.layout
         self.config, self.generation_config = runner.config, runner.generation_config
         self.vocab_size, self.device, self.dtype = runner.vocab_size, runner.device, runner.dtype
@@ -83,7 +85,9 @@ class PolicyRunner(RunnerBase):
                     else self.policy.observation_window)
             prefill_layerwise(self.decoder, first, self.prefill_chunk, self.policy.prefill_scores, rows,
                               lambda i, sliding, kv, scores: self.policy.store_prefill(cache, i, sliding, kv, scores),
-                              vote)
+                              vote,
+                              lambda i, sliding, q, kv, a, b, mask: self.policy.prefill_attend(cache, i, sliding, q, kv,
+                                                                                               a, b, mask))
         self.policy.end_prefill(cache, len(first))
         for a in range(0, len(rest), APPEND_CHUNK):  # the question, as decoding steps through the policy
             part = rest[a:a + APPEND_CHUNK]
