@@ -42,8 +42,9 @@ def add_parser(sub) -> None:
                           "shortest completion ends the output, valid (finish reason 'closed'; default: 0, off)")
     kvg = g.add_argument_group("KV cache (long prompts)")
     kvg.add_argument("--kv-policy", default="full",
-                     help="what the KV cache keeps and reads: full (default), streaming, h2o, snapkv, kv_quant, "
-                          "tidal, quest, think, gear, zipcache, shadowkv; options as name:key=value,... (see `speculum longctx --help`)")
+                     help="what the KV cache keeps and reads: full (default), streaming, h2o, keyformer, d2o, snapkv, "
+                          "pyramidkv, cake, adakv, chelsea, duo, kv_quant, gear, zipcache, think, shadowkv, tidal, "
+                          "quest, double_sparsity, tokenselect, squeezed, recycled, hip; options as name:key=value,... (see `speculum longctx --help`)")
     kvg.add_argument("--kv-budget", default="0.25",
                      help="KV budget: a token count (1024) or a ratio of the prompt (0.25; default)")
     kvg.add_argument("--kv-draft", default=None, metavar="SPEC",

@@ -1,6 +1,43 @@
 """KV-cache policies: what the cache stores and what each decode step reads.
 
-===================  =============================================================================
+===================  ====================================================================================
+``full``             no policy: the whole cache, full attention (the baseline)
+*eviction*
+``streaming``        StreamingLLM: attention sinks + recent window, positions rolled inside the cache (evicts)
+``h2o``              H2O: heavy hitters by accumulated attention + recent window (evicts)
+``keyformer``        Keyformer: key tokens by accumulated Gumbel-softmax scores + recent window (evicts)
+``d2o``              D2O: H2O's eviction, each evicted token merged into its most similar kept one (evicts)
+``snapkv``           SnapKV: the prompt's last tokens vote for what to keep, pooled (evicts at prefill)
+``pyramidkv``        PyramidKV: SnapKV's votes, per-layer budgets falling linearly with depth (evicts at prefill)
+``cake``             CAKE: per-layer budgets by attention dispersion, split in cascade as layers prefill (evicts at prefill)
+``adakv``            Ada-KV: SnapKV's votes, a layer's budget split over its KV heads by joint top-k (evicts at prefill)
+``chelsea``          Chelsea: the prompt's chunks clustered, one merged entry per cluster (merges at prefill)
+``duo``              DuoAttention: learned gates; retrieval heads keep all, streaming heads sinks + window
+*compression of what is kept*
+``kv_quant``         KIVI: keys per channel, values per token, 2 or 4 bits, recent tokens in full precision
+``gear``             GEAR: KIVI's codes + a low-rank approximation of their error + exact outliers
+``zipcache``         ZipCache: salient tokens (normalized attention) at 4 bits, the others at 2
+``think``            ThinK: the prompt's keys keep the channels its last queries weigh most (optionally after SnapKV)
+*sparse reads (the whole cache stored, a budget of it read per step)*
+``tidal``            TidalDecode: sparse reads of the top-k tokens chosen in selection layers
+``quest``            Quest: sparse reads of the pages with the best key-bound scores
+``double_sparsity``  Double Sparsity: top-k tokens by label-channel scores (a small label cache)
+``tokenselect``      TokenSelect: top-k tokens by head-soft-voted q.k, Selection Cache reuse
+``squeezed``         Squeezed Attention: prompt keys clustered at prefill, the matching clusters read
+``recycled``         Recycled Attention: full attention every ``stride`` positions, its top-k recycled in between
+``hip``              HiP: hierarchical top-k over key blocks judged by representative keys
+``shadowkv``         ShadowKV: keys stored low-rank before RoPE, the chunks with the best landmarks rebuilt and read
+===================  ====================================================================================
+
+Speculation under a lossy policy gives what plain decoding under it gives where the policy allows:
+policies that decide at prefill only (ThinK too) are unaffected by how tokens are grouped into
+steps; those that evict while decoding stop each step's tree at their next decision point
+(:meth:`KVPolicy.draft_depth`); the quantizers with a full-precision window (KIVI, GEAR, ZipCache)
+let each row of a tree read the groups a one-token step at its position would already have
+quantized (:mod:`speculum.cache.window`); the last six sparse-read policies decide per query row
+(:mod:`speculum.kv.rows`; ShadowKV its own way), so a tree step reads for each row what a
+one-token step at its position would (up to floating-point rounding, as without a policy).
+
 A policy is named on the command line as ``name`` or ``name:option=value,...`` (for example
 ``tidal:layers=6+14``, ``kv_quant:bits=2``, ``quest:page=32``); the budget (tokens or a ratio of
 the prompt) is given separately. See :func:`make_policy`.
