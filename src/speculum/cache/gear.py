@@ -65,6 +65,8 @@ class GearKVCache(QuantKVCache):
     """:class:`QuantKVCache` whose chunks carry GEAR's low-rank and sparse corrections (``rank``,
     ``sparsity``: fraction of entries kept exactly)."""
 
+    reads_codes = False  # its corrections come after decoding: read in torch, not by quant_attend
+
     def __init__(self, layout: AttentionLayout, dtype: torch.dtype, device, capacity_hint: int, bits: int,
                  group: int, residual: int, rank: int, sparsity: float):
         super().__init__(layout, dtype, device, capacity_hint, bits, group, residual)

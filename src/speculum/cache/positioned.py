@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import AttentionLayout, Step, attention, grouped, in_window, visibility, window_start
+from .kernels import kernels_for, mask3
 from .static import StaticKVCache
 from .store import put
 
@@ -156,20 +157,23 @@ class PositionedKVCache(StaticKVCache):
             return 0
         return window_start(step.positions, self.layout.window)
 
-    def mask(self, layer: int, sliding: bool, step: Step, start: int = 0) -> torch.Tensor | None:
-        """Additive mask over slots ``start .. length+n-1`` for the folded query rows: ``[g*n, L]``
-        (the same for every head) or ``[H_kv, g*n, L]`` (sliding layers after eviction), or None."""
+    def visible(self, layer: int, sliding: bool, step: Step, start: int = 0) -> torch.Tensor | None:
+        """Which of slots ``start .. length+n-1`` the new tokens see: bool ``[n, L]`` (the same for every
+        head) or ``[H_kv, n, L]`` (sliding layers after eviction), or None (all of them)."""
         window = self.layout.window if sliding else None
         if self.contiguous or window is None:
-            return grouped(visibility(self.length, step.positions, step.new_mask, window, start)[1],
-                           self.layout.group, self.dtype)
+            return visibility(self.length, step.positions, step.new_mask, window, start)[1]
         n, a = step.n, self.length
         vis = visibility(a, step.positions, step.new_mask, None, start)[0]  # [n, L] or None
         near = in_window(self.pos[layer, :, start:a + n], step.positions, window)  # [H_kv, n, L]
         vis = near if vis is None else vis & near
         if n == 1 and bool(vis.all()):
             return None
-        return grouped(vis, self.layout.group, self.dtype)
+        return vis
+
+    def mask(self, layer: int, sliding: bool, step: Step, start: int = 0) -> torch.Tensor | None:
+        """:meth:`visible` as an additive mask for the folded query rows: ``[g*n, L]`` or ``[H_kv, g*n, L]``."""
+        return grouped(self.visible(layer, sliding, step, start), self.layout.group, self.dtype)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``q [n, H, d]`` over ``k, v [H_kv, L, d]`` with this model's scale and soft-capping -> ``[n, H*d]``."""
@@ -181,15 +185,32 @@ class PositionedKVCache(StaticKVCache):
         self.write(layer, k, v)
         end = self.length + step.n
         start = self.window_start(sliding, step)
+        ops = kernels_for(q, self.layout.head_dim)
+        if ops is not None:  # in place (a torch attention over a slice of the buffer copies its keys first)
+            s = self.layout
+            return ops.slot_attend(q, self.kv[layer, 0], self.kv[layer, 1], None, start, self.length, step.n,
+                                   mask3(self.visible(layer, sliding, step, start)), s.scale, s.softcap or 0.0)
         mask = self.mask(layer, sliding, step, start)
         return self.attend(q, self.kv[layer, 0, :, start:end], self.kv[layer, 1, :, start:end], mask)
 
     def attend_slots(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                      step: Step) -> torch.Tensor:
         """Sparse read of chosen committed slots: write the new entries ``k, v [n, H_kv, d]`` and attend
-        ``q [n, H, d]`` over slots ``slots [H_kv, m]`` (increasing along ``m``) of ``layer`` and the new
-        entries -> ``[n, H*d]``. Every decode-time selection policy reads through here."""
-        return self.attend_block(layer, q, k, v, self.gather_block([layer], slots, step.n)[0], step)
+        ``q [n, H, d]`` over slots ``slots [H_kv, m]`` (int64, increasing along ``m``) of ``layer`` and the
+        new entries -> ``[n, H*d]``. Every decode-time selection policy reads through here.
+
+        The slots are read in place (``slot_attend``, :mod:`speculum.cache.kernels`), so a sparse read
+        allocates nothing beyond the step's scores and memory stays at the cache's; where the kernels
+        are not built (or off a CPU) they are gathered into a block and attended in torch
+        (:meth:`attend_block`), with the same result to float rounding."""
+        ops = kernels_for(q, self.layout.head_dim)
+        if ops is None:
+            return self.attend_block(layer, q, k, v, self.gather_block([layer], slots, step.n)[0], step)
+        self.write(layer, k, v)
+        new = visibility(0, step.positions, step.new_mask, None)[0]  # [n, n] among the new entries, or None
+        s = self.layout
+        return ops.slot_attend(q, self.kv[layer, 0], self.kv[layer, 1], slots, 0, self.length, step.n, mask3(new),
+                               s.scale, s.softcap or 0.0)
 
     def attend_rows(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor | None,
                     visible: torch.Tensor, step: Step) -> torch.Tensor:
@@ -198,9 +219,15 @@ class PositionedKVCache(StaticKVCache):
         committed slot, read in place) followed by the new entries, row ``i`` of KV head ``h`` seeing
         column ``c`` where ``visible [H_kv, n, m + n]`` is True (its columns ``m ..`` are the new
         entries: at most the row's tree ancestors and itself) -> ``[n, H*d]``. Each row of a tree step
-        can so read what a one-token step at its position would (:mod:`speculum.kv.rows`). A copying
-        implementation, like :meth:`attend_slots`'s."""
+        can so read what a one-token step at its position would (:mod:`speculum.kv.rows`). Read in place,
+        as :meth:`attend_slots` reads (a gathered copy where the kernels are not built)."""
         n = step.n
+        ops = kernels_for(q, self.layout.head_dim)
+        if ops is not None:
+            self.write(layer, k, v)
+            s = self.layout
+            return ops.slot_attend(q, self.kv[layer, 0], self.kv[layer, 1], slots, 0, self.length, n, mask3(visible),
+                                   s.scale, s.softcap or 0.0)
         mask = grouped(visible, self.layout.group, self.dtype)  # [H_kv, g*n, m + n]
         if slots is None:
             self.write(layer, k, v)

@@ -165,24 +165,25 @@ class WindowKVCache(KVCache):
         keys, values = self.resid[layer, 0, :, : r + n], self.resid[layer, 1, :, : r + n]
         views, cover = self.views(step)
         if not views:
-            mask = visibility(self.length, step.positions, step.new_mask, window, start)[1]
-            return self.read(layer, q, start, keys, values, grouped(mask, s.group, self.dtype))
+            return self.read(layer, q, start, keys, values,
+                             visibility(self.length, step.positions, step.new_mask, window, start)[1])
         parts = [self.roundtrip(layer, self.resid[layer, 0, :, v.slots], self.resid[layer, 1, :, v.slots],
                                 None if self.qres is None else self.qres[layer, v.slots]) for v in views]
         keys = torch.cat([p[0] for p in parts] + [keys], dim=1)
         values = torch.cat([p[1] for p in parts] + [values], dim=1)
-        mask = self.view_mask(views, cover, step, window, start)
-        return self.read(layer, q, start, keys, values, grouped(mask, s.group, self.dtype))
+        return self.read(layer, q, start, keys, values, self.view_mask(views, cover, step, window, start))
 
     def read(self, layer: int, q: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor,
-             mask: torch.Tensor | None) -> torch.Tensor:
+             visible: torch.Tensor | None) -> torch.Tensor:
         """The one read of a step: ``q [n, H, d]`` over the store's slots ``start .. tq-1``, decompressed,
-        followed by the full-precision ``keys, values [H_kv, m, d]``, under the folded additive ``mask``
-        (``[g*n, tq - start + m]`` or None) -> ``[n, H*d]``. (Torch reference: a fused low-bit kernel
-        replaces this one call.)"""
+        followed by the full-precision ``keys, values [H_kv, m, d]``, the rows seeing the columns where
+        ``visible`` (bool ``[n, tq - start + m]``, or None: all) is True -> ``[n, H*d]``. Here in torch
+        (dequantize, attend); KIVI's store reads its codes in place instead
+        (:meth:`~speculum.cache.QuantKVCache.read`)."""
         if start < self.tq:
             dk, dv = self.dequantized(layer, start)
             keys, values = torch.cat([dk, keys], dim=1), torch.cat([dv, values], dim=1)
+        mask = grouped(visible, self.layout.group, self.dtype)
         return attention(q, keys, values, mask, self.layout.scale, self.layout.softcap)
 
     # -- step invariance -----------------------------------------------------------------------------

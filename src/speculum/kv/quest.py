@@ -3,7 +3,8 @@ LLM Inference"). The cache is cut into pages of ``page`` tokens, each summarised
 channel-wise minimum and maximum of its keys; at each step and layer, every page gets an upper
 bound of its attention score, ``sum_c max(q_c min_c, q_c max_c)``, and only the best pages (up
 to the budget) are read, plus the last, unfinished page. Unlike TidalDecode every sparse layer
-selects for itself, from the bounds, without reading the keys."""
+selects for itself, from the bounds, without reading the keys. The chosen pages are read in place
+(:meth:`~speculum.cache.PositionedKVCache.attend_slots`), not copied."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import fold_queries
-from .scoring import page_bounds, top_slots
+from .scoring import page_bounds, page_slots, top_slots
 from .sparse import SparseReadPolicy, SparseState
 
 
@@ -70,10 +71,5 @@ class QuestPolicy(SparseReadPolicy):
         s = cache.layout
         bound = page_bounds(fold_queries(q, s.kv_heads), st.kmin[layer, :, :pages], st.kmax[layer, :, :pages]).amax(1)
         chosen = top_slots(bound.float(), want)  # [H_kv, want] page numbers
-        block = torch.empty((2, s.kv_heads, want * p + tail + step.n, s.head_dim), dtype=cache.dtype,
-                            device=cache.device)
-        paged = cache.kv[layer, :, :, : pages * p].unflatten(2, (pages, p))  # [2, H_kv, pages, p, d]
-        for h in range(s.kv_heads):
-            torch.index_select(paged[:, h], 1, chosen[h], out=block[:, h, : want * p].unflatten(1, (want, p)))
-        block[:, :, want * p: want * p + tail] = cache.kv[layer, :, :, pages * p: cache.length]
-        return cache.attend_block(layer, q, k, v, block, step)
+        slots = page_slots(chosen, p, pages * p, cache.length)  # with the unfinished page; read in place
+        return cache.attend_slots(layer, q, k, v, slots, step)

@@ -40,3 +40,13 @@ def observation_weights(qw: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor
     vis = torch.arange(keys.shape[1], device=keys.device)[None, :] <= rows[:, None]  # [w, n]
     group = qw.shape[1] // keys.shape[0]
     return attention_probs(qw, keys, grouped(vis, group, torch.float32), scale, softcap)
+
+
+def page_slots(pages: torch.Tensor, page: int, tail: int, end: int) -> torch.Tensor:
+    """Slot indices of the chosen pages ``pages [H, w]`` (increasing page numbers) of ``page`` slots
+    each, then the slots ``tail .. end-1`` (an unfinished last page) -> ``[H, w * page + end - tail]``,
+    increasing: what :meth:`~speculum.cache.PositionedKVCache.attend_slots` reads in place."""
+    within = torch.arange(page, device=pages.device)
+    slots = (pages[..., None] * page + within).flatten(-2)
+    rest = torch.arange(tail, end, device=pages.device).expand(pages.shape[0], -1)
+    return torch.cat([slots, rest], dim=-1)

@@ -2,12 +2,14 @@
 Position Persistent Sparse Attention"). The first layers attend fully; a token-selection layer
 also attends fully and picks the ``k`` cached tokens with the highest attention (per KV head,
 summed over its query heads and the step's rows); every later layer attends only to those
-positions, until a re-selection layer picks again (defaults: :func:`default_selection_layers`). The cache is kept whole: what shrinks is the
-bytes read per step (``k`` of the context's entries in the sparse layers)."""
+positions, until a re-selection layer picks again (defaults: :func:`default_selection_layers`). The
+cache is kept whole: what shrinks is the bytes read per step (``k`` of the context's entries in the
+sparse layers, read in place through :meth:`~speculum.cache.PositionedKVCache.attend_slots`, so
+nothing is copied and memory stays at the full cache's)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -21,8 +23,9 @@ class TidalState(SparseState):
     """One request's token selection."""
 
     selection_layers: frozenset[int] = frozenset()
-    blocks: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [2, H_kv, read + n, d] chosen entries
-    selected_at: int = -1  # cache length when ``blocks`` were chosen (this step's, or stale)
+    slots: torch.Tensor | None = None  # [H_kv, read] the chosen slots, increasing
+    sparse: frozenset[int] = frozenset()  # the layers that read them (up to the next selection layer)
+    selected_at: int = -1  # cache length when ``slots`` were chosen (this step's, or stale)
 
 
 def default_selection_layers(sliding: list[bool], dense_layers: int = 2) -> list[int]:
@@ -74,13 +77,11 @@ class TidalPolicy(SparseReadPolicy):
             probs = attention_probs(q, cache.kv[layer, 0, :, : cache.length], None, s.scale, s.softcap)  # [H_kv, g*n, L]
             later = [i for i in st.selection_layers if i > layer]
             upto = min(later) if later else s.layers
-            # one copy of the chosen slots for every full-attention layer up to the next selection layer
-            sparse = [i for i in range(layer + 1, upto) if not s.is_sliding(i)]
-            scores = pool_scores(probs.sum(1), self.kernel)
-            block = cache.gather_block(sparse, top_slots(scores, st.read), step.n)
-            st.blocks = dict(zip(sparse, block))
+            # the full-attention layers up to the next selection layer read the chosen slots
+            st.sparse = frozenset(i for i in range(layer + 1, upto) if not s.is_sliding(i))
+            st.slots = top_slots(pool_scores(probs.sum(1), self.kernel), st.read)
             st.selected_at = cache.length
             return out
-        if st.selected_at != cache.length or layer not in st.blocks:
+        if st.selected_at != cache.length or layer not in st.sparse:
             return cache.attend_all(layer, sliding, q, k, v, step)  # before this step's first selection
-        return cache.attend_block(layer, q, k, v, st.blocks[layer], step)
+        return cache.attend_slots(layer, q, k, v, st.slots, step)

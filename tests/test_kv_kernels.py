@@ -1,0 +1,254 @@
+"""The KV-cache kernels (speculum/cache/kv_kernels.cpp) against torch references, on every code path this
+machine runs (AVX-512, AVX2, portable):
+
+- ``quant_attend`` (KIVI's packed store read as stored) equals attention over the dequantized store and
+  the residual window, computed in float32: 2 and 4 bits, 1 to 17 query rows, grouped-query heads, a
+  tree mask, a sliding window whose start cuts a token group, soft-capping, float32 and bfloat16;
+- ``slot_attend`` (chosen slots read in place) equals attention over the gathered copy;
+- each row's result does not depend on the other rows of the call;
+- the caches use them: ``QuantKVCache.attend`` and ``PositionedKVCache.attend_slots`` give the torch
+  path's results, and TidalDecode and Quest no longer hold gathered copies.
+"""
+
+import pytest
+import torch
+
+from speculum.attention import AttentionLayout, Step, attention, grouped, visibility
+from speculum.cache import PositionedKVCache, QuantKVCache
+from speculum.cache.kernels import load_kv_kernels, mask3
+from speculum.extensions import cpu_flags
+
+ARCHS = ("native", "haswell", "x86-64") if "avx512bw" in cpu_flags() else ("native",)
+
+
+@pytest.fixture(autouse=True)
+def _inference_mode():
+    with torch.inference_mode():  # as the runners call the caches
+        yield
+
+
+def _layout(H=6, Hkv=2, d=32, layers=2, window=None, softcap=None):
+    sliding = (False, True) if window else ()
+    return AttentionLayout(layers, H, Hkv, d, d ** -0.5, softcap, window, sliding)
+
+
+def _tree_mask(n: int) -> torch.Tensor:
+    """A tree over ``n`` new tokens: each node's parent is a random earlier node."""
+    g = torch.Generator().manual_seed(n)
+    anc = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        anc[i] |= anc[int(torch.randint(0, i, (1,), generator=g))]
+    return anc
+
+
+def _quant_cache(layout, dtype, bits, t_quant, resid, seed=0) -> QuantKVCache:
+    """A cache with ``t_quant`` quantized entries and ``resid`` in the residual window (both layers)."""
+    torch.manual_seed(seed)
+    s = layout
+    cache = QuantKVCache(s, dtype, "cpu", t_quant + resid + 64, bits, group=32, residual=32)
+    cache.allocate(t_quant + resid + 64)
+    # keys with channel outliers, as real keys have (what per-channel quantization is for)
+    keys = torch.randn(s.layers, s.kv_heads, t_quant + resid, s.head_dim) * (1 + 4 * torch.rand(s.head_dim))
+    values = torch.randn(s.layers, s.kv_heads, t_quant + resid, s.head_dim)
+    cache.store_quantized(slice(None), keys[:, :, :t_quant], values[:, :, :t_quant])
+    cache.tq = t_quant
+    cache.reserve(t_quant + resid + 64)
+    cache.resid.zero_()  # (the slots after the window are a step's new entries; masked ones must be finite)
+    cache.resid[:, 0, :, :resid] = keys[:, :, t_quant:].to(dtype)
+    cache.resid[:, 1, :, :resid] = values[:, :, t_quant:].to(dtype)
+    cache.length = t_quant + resid
+    return cache
+
+
+def _quant_reference(cache: QuantKVCache, layer, sliding, q, step) -> torch.Tensor:
+    """Attention over the store dequantized in float32 and the residual window (new entries written)."""
+    s, n = cache.layout, step.n
+    window = s.window if sliding else None
+    start = min(0 if window is None else max(0, int(step.positions.min()) - window + 1), cache.tq) // 32 * 32
+    dk, dv = cache.decoded(layer, start)  # float32
+    rk = cache.resid[layer, 0, :, : cache.r + n].float()
+    rv = cache.resid[layer, 1, :, : cache.r + n].float()
+    k, v = torch.cat([dk, rk], 1), torch.cat([dv, rv], 1)
+    mask = grouped(visibility(cache.length, step.positions, step.new_mask, window, start)[1], s.group, torch.float32)
+    return attention(q.float(), k, v, mask, s.scale, s.softcap, explicit=True)
+
+
+def _tol(dtype):
+    return {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quant_attend_equals_dequantized_attention(arch, dtype):
+    ops = load_kv_kernels(arch)
+    for bits in (2, 4):
+        for window, softcap in ((None, None), (100, 30.0)):
+            layout = _layout(window=window, softcap=softcap)
+            cache = _quant_cache(layout, dtype, bits, t_quant=320, resid=40, seed=bits)
+            for n in (1, 3, 17):
+                torch.manual_seed(n)
+                q = torch.randn(n, layout.heads, layout.head_dim).to(dtype)
+                k = torch.randn(n, layout.kv_heads, layout.head_dim).to(dtype)
+                v = torch.randn(n, layout.kv_heads, layout.head_dim).to(dtype)
+                step = Step(torch.arange(cache.length, cache.length + n), _tree_mask(n) if n > 1 else None)
+                for layer in range(layout.layers):
+                    sliding = layout.is_sliding(layer)
+                    want = _quant_reference_after_write(cache, layer, sliding, q, k, v, step)
+                    got = _quant_kernel(ops, cache, layer, sliding, q, step)
+                    assert got.dtype == dtype and got.shape == (n, layout.heads * layout.head_dim)
+                    torch.testing.assert_close(got.float(), want, **_tol(dtype),
+                                               msg=f"{arch} {dtype} bits {bits} n {n} layer {layer}")
+
+
+def _quant_reference_after_write(cache, layer, sliding, q, k, v, step):
+    from speculum.cache.store import put
+
+    put(cache.resid[layer], cache.r, k, v)
+    return _quant_reference(cache, layer, sliding, q, step)
+
+
+def _quant_kernel(ops, cache: QuantKVCache, layer, sliding, q, step):
+    """``quant_attend`` as :meth:`QuantKVCache.attend` calls it (entries already written), on ``ops``."""
+    s, n = cache.layout, step.n
+    window = s.window if sliding else None
+    start = min(0 if window is None else max(0, int(step.positions.min()) - window + 1), cache.tq) // 32 * 32
+    visible = visibility(cache.length, step.positions, step.new_mask, window, start)[1]
+    return ops.quant_attend(q, cache.kcodes[layer], cache.klo[layer], cache.kstep[layer], cache.vcodes[layer],
+                            cache.vlo[layer], cache.vstep[layer], cache.bits, start, cache.tq,
+                            cache.resid[layer, 0, :, : cache.r + n], cache.resid[layer, 1, :, : cache.r + n],
+                            mask3(visible), s.scale, s.softcap or 0.0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rows_are_computed_alone(arch):
+    """A row's result is the same bits whatever other rows share the call (a one-row call at the same
+    position and visibility gives it too)."""
+    ops = load_kv_kernels(arch)
+    layout = _layout()
+    cache = _quant_cache(layout, torch.float32, 4, t_quant=1280, resid=40)
+    n = 9
+    torch.manual_seed(1)
+    q = torch.randn(n, layout.heads, layout.head_dim)
+    cache.resid[0, :, :, cache.r:cache.r + n] = torch.randn(2, layout.kv_heads, n, layout.head_dim)  # the new entries
+    step = Step(torch.arange(cache.length, cache.length + n), _tree_mask(n))
+    many = _quant_kernel(ops, cache, 0, False, q, step)
+    vis = visibility(cache.length, step.positions, step.new_mask, None)[0]  # [n, L]
+    for i in (0, 4, 8):
+        # row i alone: the columns it sees, as a one-row mask
+        one = ops.quant_attend(q[i:i + 1], cache.kcodes[0], cache.klo[0], cache.kstep[0], cache.vcodes[0],
+                               cache.vlo[0], cache.vstep[0], 4, 0, cache.tq, cache.resid[0, 0, :, : cache.r + n],
+                               cache.resid[0, 1, :, : cache.r + n], mask3(vis[i:i + 1]), layout.scale, 0.0)
+        assert torch.equal(one, many[i:i + 1]), (arch, i)
+
+
+def _positioned(layout, dtype, length, seed=0) -> PositionedKVCache:
+    torch.manual_seed(seed)
+    cache = PositionedKVCache(layout, dtype, "cpu", length + 64)
+    cache.reserve(length + 64)
+    cache.kv[:, :, :, :length] = torch.randn(layout.layers, 2, layout.kv_heads, length, layout.head_dim).to(dtype)
+    cache.pos[:, :, :length] = torch.arange(length)
+    cache.length = length
+    return cache
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_attend_equals_the_copying_read(arch, dtype):
+    ops = load_kv_kernels(arch)
+    layout = _layout(H=9, Hkv=3, d=64, layers=1)
+    cache = _positioned(layout, dtype, 700)
+    for n, m in ((1, 100), (5, 257), (12, 700)):
+        torch.manual_seed(n)
+        slots = torch.stack([torch.randperm(700)[:m].sort().values for _ in range(layout.kv_heads)])  # [H_kv, m]
+        q = torch.randn(n, layout.heads, layout.head_dim).to(dtype)
+        k = torch.randn(n, layout.kv_heads, layout.head_dim).to(dtype)
+        v = torch.randn(n, layout.kv_heads, layout.head_dim).to(dtype)
+        step = Step(torch.arange(700, 700 + n), _tree_mask(n) if n > 1 else None)
+        cache.write(0, k, v)
+        block = cache.gather_block([0], slots, n)[0].float()
+        block[:, :, m:] = cache.kv[0, :, :, 700:700 + n].float()
+        new = visibility(0, step.positions, step.new_mask, None)[0]  # [n, n] or None
+        mask = grouped(visibility(m, step.positions, step.new_mask, None)[0], layout.group, torch.float32)
+        want = attention(q.float(), block[0], block[1], mask, layout.scale, None, explicit=True)
+        got = ops.slot_attend(q, cache.kv[0, 0], cache.kv[0, 1], slots, 0, 700, n, mask3(new), layout.scale, 0.0)
+        torch.testing.assert_close(got.float(), want, **_tol(dtype), msg=f"{arch} {dtype} n {n} m {m}")
+        # every committed slot from 30 on (None), with a mask per KV head over all columns
+        vis = torch.rand(layout.kv_heads, n, 670 + n) < 0.7
+        vis[:, :, 670:] = torch.eye(n, dtype=torch.bool)
+        full = cache.kv[0, :, :, 30: 700 + n].float()
+        want = attention(q.float(), full[0], full[1], grouped(vis, layout.group, torch.float32), layout.scale, None,
+                         explicit=True)
+        got = ops.slot_attend(q, cache.kv[0, 0], cache.kv[0, 1], None, 30, 700, n, mask3(vis), layout.scale, 0.0)
+        torch.testing.assert_close(got.float(), want, **_tol(dtype), msg=f"{arch} {dtype} n {n} all slots")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_caches_read_through_the_kernels(monkeypatch, dtype):
+    """``QuantKVCache.attend``, ``PositionedKVCache.attend_slots`` and ``attend_all`` give their torch
+    paths' results (to the torch path's own rounding: in bfloat16 it rounds dequantized entries, scores
+    and probabilities)."""
+    from speculum.cache import quantized
+
+    tol = _tol(dtype) if dtype == torch.float32 else {"atol": 6e-2, "rtol": 6e-2}
+    layout = _layout(window=100)
+    for bits in (2, 4):
+        cache = _quant_cache(layout, dtype, bits, t_quant=320, resid=40)
+        n = 4
+        q = torch.randn(n, layout.heads, layout.head_dim).to(dtype)
+        k = torch.randn(n, layout.kv_heads, layout.head_dim).to(dtype)
+        v = torch.randn(n, layout.kv_heads, layout.head_dim).to(dtype)
+        step = Step(torch.arange(cache.length, cache.length + n), None)
+        for layer in range(2):
+            got = cache.attend(layer, layout.is_sliding(layer), q, k, v, step)
+            with monkeypatch.context() as m:
+                m.setattr(quantized, "kernels_for", lambda *a: None)
+                want = cache.attend(layer, layout.is_sliding(layer), q, k, v, step)
+            torch.testing.assert_close(got.float(), want.float(), **tol)
+    cache = _positioned(_layout(window=100), dtype, 300)
+    slots = torch.arange(0, 300, 3).expand(2, -1)
+    step = Step(torch.arange(300, 303), None)
+    q = torch.randn(3, 6, 32).to(dtype)
+    k, v = torch.randn(3, 2, 32).to(dtype), torch.randn(3, 2, 32).to(dtype)
+    got = cache.attend_slots(0, q, k, v, slots, step)
+    want = cache.attend_block(0, q, k, v, cache.gather_block([0], slots, 3)[0], step)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    # dense reads (attend_all) in place too: a full layer, a sliding one, and one after an eviction, whose
+    # window is a mask per KV head over the positions the slots hold
+    for evicted in (0, 40):
+        cache.evicted = evicted
+        cache.pos[:, 1, :300] += torch.arange(300) // 7 if evicted else 0
+        for layer, sliding in ((0, False), (1, True)):
+            got = cache.attend_all(layer, sliding, q, k, v, step)
+            start, end = cache.window_start(sliding, step), cache.length + 3
+            kv = cache.kv[layer, :, :, start:end]
+            want = cache.attend(q, kv[0], kv[1], cache.mask(layer, sliding, step, start))
+            torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def _generate(model, prompt, spec, budget, new=24):
+    from speculum.drafters.ar import AutoregressiveDrafter
+    from speculum.engine import Engine
+    from speculum.kv import make_policy
+    from speculum.runners import runner_for, under_policy
+
+    engine = Engine(under_policy(runner_for(model, "native"), make_policy(spec, budget)), AutoregressiveDrafter(),
+                    eos_token_ids=[])
+    return engine.generate(prompt, new)
+
+
+@pytest.mark.parametrize("spec,budget", [("kv_quant", "-"), ("kv_quant:bits=2", "-"), ("tidal:layers=2+4", "12"),
+                                         ("quest:page=4", "12")])
+def test_policies_decode_alike_with_and_without_the_kernels(monkeypatch, spec, budget):
+    """A tiny Llama (float32) decodes the same tokens whether the policy's reads run on the kernels or
+    on the torch path (dequantized layers, gathered copies); TidalDecode keeps slot indices, not copies."""
+    from conftest import tiny_llama
+
+    from speculum.cache import positioned, quantized
+
+    model = tiny_llama(layers=6)
+    prompt = [int(x) for x in torch.randint(0, 96, (80,), generator=torch.Generator().manual_seed(5))]
+    fast = _generate(model, prompt, spec, budget)
+    monkeypatch.setattr(quantized, "kernels_for", lambda *a: None)
+    monkeypatch.setattr(positioned, "kernels_for", lambda *a: None)
+    slow = _generate(model, prompt, spec, budget)
+    assert fast.tokens == slow.tokens
