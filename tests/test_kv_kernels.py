@@ -4,7 +4,8 @@ machine runs (AVX-512, AVX2, portable):
 - ``quant_attend`` (KIVI's packed store read as stored) equals attention over the dequantized store and
   the residual window, computed in float32: 2 and 4 bits, 1 to 17 query rows, grouped-query heads, a
   tree mask, a sliding window whose start cuts a token group, soft-capping, float32 and bfloat16;
-- ``slot_attend`` (chosen slots read in place) equals attention over the gathered copy;
+- ``slot_attend`` (chosen slots read in place) equals attention over the gathered copy, ``slot_scores``
+  the logits over it;
 - each row's result does not depend on the other rows of the call;
 - the caches use them: ``QuantKVCache.attend`` and ``PositionedKVCache.attend_slots`` give the torch
   path's results, and TidalDecode and Quest no longer hold gathered copies.
@@ -13,7 +14,15 @@ machine runs (AVX-512, AVX2, portable):
 import pytest
 import torch
 
-from speculum.attention import AttentionLayout, Step, attention, grouped, visibility
+from speculum.attention import (
+    AttentionLayout,
+    Step,
+    attention,
+    attention_scores,
+    fold_queries,
+    grouped,
+    visibility,
+)
 from speculum.cache import PositionedKVCache, QuantKVCache
 from speculum.cache.kernels import load_kv_kernels, mask3
 from speculum.extensions import cpu_flags
@@ -180,6 +189,14 @@ def test_slot_attend_equals_the_copying_read(arch, dtype):
                          explicit=True)
         got = ops.slot_attend(q, cache.kv[0, 0], cache.kv[0, 1], None, 30, 700, n, mask3(vis), layout.scale, 0.0)
         torch.testing.assert_close(got.float(), want, **_tol(dtype), msg=f"{arch} {dtype} n {n} all slots")
+        # the logits alone (what TidalDecode's selection softmaxes), chosen slots and a range
+        want = attention_scores(fold_queries(q.float(), layout.kv_heads), block[0, :, :m], None, layout.scale)
+        got = ops.slot_scores(q, cache.kv[0, 0], slots, 0, 700, mask3(None), layout.scale, 0.0)
+        torch.testing.assert_close(got, want, **_tol(dtype))
+        want = attention_scores(fold_queries(q.float(), layout.kv_heads), cache.kv[0, 0, :, 30:700].float(), None,
+                                layout.scale)
+        got = ops.slot_scores(q, cache.kv[0, 0], None, 30, 700, mask3(None), layout.scale, 0.0)
+        torch.testing.assert_close(got, want, **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -500,8 +500,8 @@ void piece_scores(const Problem& p, Scratch& s, int64_t h, const Piece& pc) {
   });
 }
 
-// Scores -> probabilities (soft cap, mask, online softmax); m, l the rows' running maximum and sum.
-void piece_softmax(const Problem& p, Scratch& s, int64_t h, const Piece& pc, float* m, float* l) {
+// Scores -> logits: soft cap, mask (-inf), -inf past the piece's end up to a whole vector.
+void piece_logits(const Problem& p, Scratch& s, int64_t h, const Piece& pc) {
   const int64_t sp = p.sp, padded = (pc.len + VW - 1) / VW * VW;
   const int64_t first_masked = p.L - p.Lm;  // columns from here on are under the mask
   for (int64_t r = 0; r < p.R; ++r) {
@@ -515,6 +515,14 @@ void piece_softmax(const Problem& p, Scratch& s, int64_t h, const Piece& pc, flo
       for (int64_t t = std::max<int64_t>(0, first_masked - pc.col); t < pc.len; ++t)
         if (!mk[pc.col + t - first_masked]) S[t] = NEG_INF;
     }
+  }
+}
+
+// Logits -> probabilities by online softmax; m, l the rows' running maximum and sum.
+void piece_softmax(const Problem& p, Scratch& s, const Piece& pc, float* m, float* l) {
+  const int64_t sp = p.sp, padded = (pc.len + VW - 1) / VW * VW;
+  for (int64_t r = 0; r < p.R; ++r) {
+    float* S = s.S.data() + r * sp;
     vf mx = vset(NEG_INF);
     for (int64_t t = 0; t < padded; t += VW) mx = vmax(mx, vload(S + t));
     const float top = hmax(mx);
@@ -615,12 +623,18 @@ torch::Tensor fold(const torch::Tensor& q, int64_t Hkv, double scale) {
   return (q.to(torch::kFloat32) * scale).view({n, Hkv, g, d}).permute({1, 2, 0, 3}).contiguous().view({Hkv, g * n, d});
 }
 
-torch::Tensor run(Problem& p, const torch::Tensor& q, double scale) {
+// The tasks, the folded queries (returned: p.Q points into them) and the scratch stride.
+torch::Tensor prepare(Problem& p, const torch::Tensor& q, double scale) {
   cut_tasks(p);
-  const torch::Tensor folded = fold(q, p.Hkv, scale);
+  torch::Tensor folded = fold(q, p.Hkv, scale);
   p.Q = folded.data_ptr<float>();
   p.sp = 0;
   for (const Piece& pc : p.pieces) p.sp = std::max(p.sp, (pc.len + VW - 1) / VW * VW + VW);
+  return folded;
+}
+
+torch::Tensor run(Problem& p, const torch::Tensor& q, double scale) {
+  const torch::Tensor folded = prepare(p, q, scale);
   const int64_t ntask = static_cast<int64_t>(p.tasks.size()) - 1, R = p.R, d = p.d, H = p.Hkv * p.g;
   auto out = torch::zeros({p.n, H * d}, q.options().dtype(torch::kFloat32));
   if (ntask <= 0) return out.to(q.scalar_type());
@@ -633,7 +647,8 @@ torch::Tensor run(Problem& p, const torch::Tensor& q, double scale) {
       for (int64_t i = p.tasks[task]; i < p.tasks[task + 1]; ++i) {
         const Piece& pc = p.pieces[i];
         piece_scores(p, s, h, pc);
-        piece_softmax(p, s, h, pc, m, l);
+        piece_logits(p, s, h, pc);
+        piece_softmax(p, s, pc, m, l);
         piece_values(p, s, h, pc, O);
       }
     }
@@ -788,6 +803,53 @@ bool reads_packed(int64_t N, int64_t bits) {
   return (bits == 2 || bits == 4) && plan(N, static_cast<int>(bits)).mode >= 0;
 }
 
+// The attention logits (scaled, soft-capped, -inf where the mask hides) of q [n, H, d] over slots of one
+// layer's float cache k [H_kv, C, d], read in place: slots [H_kv, m] per KV head, or (None) slots start ..
+// length - 1; mask as make_problem's over those columns. -> float32 [H_kv, g n, columns], rows folded (what
+// a policy scoring tokens by attention softmaxes, without a contiguous copy of the keys).
+torch::Tensor slot_scores(torch::Tensor q, torch::Tensor k, std::optional<torch::Tensor> slots, int64_t start,
+                          int64_t length, torch::Tensor mask, double scale, double softcap) {
+  const int64_t Hkv = k.size(0), d = q.size(-1);
+  Problem p = make_problem(q, Hkv, mask);
+  Rows rows = rows_of(k, k, Hkv, d);
+  p.dtype = k.scalar_type();
+  p.softcap = static_cast<float>(softcap);
+  p.quant = Quant{};
+  TORCH_CHECK(0 <= start && start <= length && length <= k.size(1), "slots out of range");
+  torch::Tensor idx;
+  if (slots.has_value()) {
+    idx = slots->to(torch::kInt64).contiguous();
+    TORCH_CHECK(idx.dim() == 2 && idx.size(0) == Hkv, "slots must be [H_kv, m]");
+    if (idx.numel() > 0)
+      TORCH_CHECK(idx.min().item<int64_t>() >= 0 && idx.max().item<int64_t>() < length, "a slot out of range");
+    rows.idx = idx.data_ptr<int64_t>(), rows.idx_hs = idx.size(1);
+    p.rows.push_back(rows);
+    add_pieces(p, 0, 0, idx.size(1), SUB);
+  } else {
+    p.rows.push_back(rows);
+    add_pieces(p, 0, start, length, SUB);
+  }
+  TORCH_CHECK(p.Lm <= p.L, "the mask has more columns than there are keys");
+  const torch::Tensor folded = prepare(p, q, scale);
+  const int64_t ntask = static_cast<int64_t>(p.tasks.size()) - 1, R = p.R, L = p.L;
+  auto out = torch::empty({Hkv, R, L}, q.options().dtype(torch::kFloat32));
+  float* Y = out.data_ptr<float>();
+  at::parallel_for(0, Hkv * std::max<int64_t>(ntask, 0), 1, [&](int64_t begin, int64_t end) {
+    Scratch s(p);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / ntask, task = item % ntask;
+      for (int64_t i = p.tasks[task]; i < p.tasks[task + 1]; ++i) {
+        const Piece& pc = p.pieces[i];
+        piece_scores(p, s, h, pc);
+        piece_logits(p, s, h, pc);
+        for (int64_t r = 0; r < R; ++r)
+          std::copy(s.S.data() + r * p.sp, s.S.data() + r * p.sp + pc.len, Y + (h * R + r) * L + pc.col);
+      }
+    }
+  });
+  return out;
+}
+
 // The instruction set this build uses.
 std::string isa() {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -802,6 +864,7 @@ std::string isa() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_attend", &quant_attend, "attention over a KIVI packed low-bit store and its float residual window");
   m.def("slot_attend", &slot_attend, "attention over chosen slots of a float cache, read in place, and the new entries");
+  m.def("slot_scores", &slot_scores, "attention logits over chosen or all slots of a float cache, read in place");
   m.def("isa", &isa, "instruction set of this build");
   m.def("reads_packed", &reads_packed, "whether this build reads a packed run of N b-bit codes");
   m.attr("vector_width") = VW;

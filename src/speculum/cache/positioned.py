@@ -21,7 +21,16 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import AttentionLayout, Step, attention, grouped, in_window, visibility, window_start
+from ..attention import (
+    AttentionLayout,
+    Step,
+    attention,
+    attention_probs,
+    grouped,
+    in_window,
+    visibility,
+    window_start,
+)
 from .kernels import kernels_for, mask3
 from .static import StaticKVCache
 from .store import put
@@ -192,6 +201,18 @@ class PositionedKVCache(StaticKVCache):
                                    mask3(self.visible(layer, sliding, step, start)), s.scale, s.softcap or 0.0)
         mask = self.mask(layer, sliding, step, start)
         return self.attend(q, self.kv[layer, 0, :, start:end], self.kv[layer, 1, :, start:end], mask)
+
+    def committed_probs(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Softmax attention weights ``[H_kv, g*n, length]`` (float32, rows folded) of ``q [n, H, d]`` over
+        the committed slots of ``layer`` (no mask), for policies that score tokens by attention. The keys
+        are read in place (``slot_scores``); :func:`~speculum.attention.attention_probs` over a contiguous
+        copy of them where the kernels are not built."""
+        s = self.layout
+        ops = kernels_for(q, s.head_dim)
+        if ops is None:
+            return attention_probs(q, self.kv[layer, 0, :, : self.length], None, s.scale, s.softcap)
+        return ops.slot_scores(q, self.kv[layer, 0], None, 0, self.length, mask3(None), s.scale,
+                               s.softcap or 0.0).softmax(-1)
 
     def attend_slots(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                      step: Step) -> torch.Tensor:

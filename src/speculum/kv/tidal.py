@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import attention_probs
 from .scoring import pool_scores, top_slots
 from .sparse import SparseReadPolicy, SparseState
 
@@ -74,7 +73,7 @@ class TidalPolicy(SparseReadPolicy):
         if layer in st.selection_layers:
             out = cache.attend_all(layer, sliding, q, k, v, step)
             s = cache.layout
-            probs = attention_probs(q, cache.kv[layer, 0, :, : cache.length], None, s.scale, s.softcap)  # [H_kv, g*n, L]
+            probs = cache.committed_probs(layer, q)  # [H_kv, g*n, L], the keys read in place
             later = [i for i in st.selection_layers if i > layer]
             upto = min(later) if later else s.layers
             # the full-attention layers up to the next selection layer read the chosen slots
