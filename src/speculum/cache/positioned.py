@@ -194,8 +194,10 @@ class PositionedKVCache(StaticKVCache):
         self.write(layer, k, v)
         end = self.length + step.n
         start = self.window_start(sliding, step)
-        ops = kernels_for(q, self.layout.head_dim)
-        if ops is not None:  # in place (a torch attention over a slice of the buffer copies its keys first)
+        # in place (a torch attention over a slice of the buffer copies its keys first), unless a subclass
+        # adds to the mask (a bias: Chelsea's merged entries), which the kernel does not take
+        ops = kernels_for(q, self.layout.head_dim) if type(self).mask is PositionedKVCache.mask else None
+        if ops is not None:
             s = self.layout
             return ops.slot_attend(q, self.kv[layer, 0], self.kv[layer, 1], None, start, self.length, step.n,
                                    mask3(self.visible(layer, sliding, step, start)), s.scale, s.softcap or 0.0)
