@@ -136,6 +136,8 @@ class QuantKVCache(WindowKVCache):
         self.cgroup = min(group, layout.head_dim)  # value channels per (minimum, step)
         if layout.head_dim % self.cgroup:
             raise ValueError(f"head dim {layout.head_dim} does not split into groups of {self.cgroup} channels")
+        if group % (8 // bits):
+            raise ValueError(f"a group of {group} tokens does not pack into bytes of {8 // bits} {bits}-bit codes")
         self.bits = bits
         self.kcodes = self.vcodes = None
 
