@@ -213,8 +213,9 @@ class PositionedKVCache(StaticKVCache):
         ops = kernels_for(q, s.head_dim)
         if ops is None:
             return attention_probs(q, self.kv[layer, 0, :, : self.length], None, s.scale, s.softcap)
-        return ops.slot_scores(q, self.kv[layer, 0], None, 0, self.length, mask3(None), s.scale,
-                               s.softcap or 0.0).softmax(-1)
+        logits = ops.slot_scores(q, self.kv[layer, 0], None, 0, self.length, mask3(None), s.scale, s.softcap or 0.0)
+        logits = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # the softmax in place: no second [.., L]
+        return logits.div_(logits.sum(-1, keepdim=True))
 
     def attend_slots(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
                      step: Step) -> torch.Tensor:
