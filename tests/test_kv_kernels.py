@@ -92,8 +92,9 @@ def _tol(dtype):
 def test_quant_attend_equals_dequantized_attention(arch, dtype):
     ops = load_kv_kernels(arch)
     for bits in (2, 4):
-        for window, softcap in ((None, None), (100, 30.0)):
-            layout = _layout(window=window, softcap=softcap)
+        # SmolLM2-like heads (3 query heads a KV head here), and Gemma-3-270M's (4 on 1, head dim 256)
+        for shape, window, softcap in (((6, 2, 32), None, None), ((6, 2, 32), 100, 30.0), ((4, 1, 256), 100, None)):
+            layout = _layout(*shape, window=window, softcap=softcap)
             cache = _quant_cache(layout, dtype, bits, t_quant=320, resid=40, seed=bits)
             for n in (1, 3, 17):
                 torch.manual_seed(n)
