@@ -473,11 +473,12 @@ void piece_scores(const Problem& p, Scratch& s, int64_t h, const Piece& pc) {
         s.bias[r] = hsum(b);
       }
       const uint8_t* kc = q.kc + (h * q.Tg + grp) * d * q.krun.P;
-      with_plan(q.krun, [&](auto mode, auto K) {
+      with_plan(q.krun, [&](auto mode, auto k) {
+        constexpr int MODE = decltype(mode)::value, K = decltype(k)::value;
         for (int64_t j = 0; j < q.krun.chunks; ++j)
-          row_blocks<decltype(K)::value>(R, [&](int64_t r0, auto m) {
-            quant_scores<decltype(mode)::value, decltype(K)::value, decltype(m)::value>(q.krun, j, kc, d, s.QS.data() + r0 * d, s.bias.data() + r0,
-                                           s.S.data() + r0 * sp + g0, sp);
+          row_blocks<K>(R, [&](int64_t r0, auto m) {
+            quant_scores<MODE, K, decltype(m)::value>(q.krun, j, kc, d, s.QS.data() + r0 * d, s.bias.data() + r0,
+                                                      s.S.data() + r0 * sp + g0, sp);
           });
       });
     }
@@ -567,11 +568,13 @@ void piece_values(const Problem& p, Scratch& s, int64_t h, const Piece& pc, floa
       }
     }
     const uint8_t* vc = q.vc + (h * q.T + pc.a) * q.vrun.P;
-    with_plan(q.vrun, [&](auto mode, auto K) {
+    with_plan(q.vrun, [&](auto mode, auto k) {
+      constexpr int MODE = decltype(mode)::value, K = decltype(k)::value;
       for (int64_t j = 0; j < q.vrun.chunks; ++j)
-        row_blocks<decltype(K)::value>(R, [&](int64_t r0, auto m) {
-          quant_values<decltype(mode)::value, decltype(K)::value, decltype(m)::value>(q.vrun, j, vc, q.vrun.P, pc.len, s.PS.data() + r0 * ng * sp, ng * sp, sp,
-                                         s.alpha.data() + r0, s.los.data() + r0 * ng, ng, q.Gc, O + r0 * d, d);
+        row_blocks<K>(R, [&](int64_t r0, auto m) {
+          quant_values<MODE, K, decltype(m)::value>(q.vrun, j, vc, q.vrun.P, pc.len, s.PS.data() + r0 * ng * sp,
+                                                    ng * sp, sp, s.alpha.data() + r0, s.los.data() + r0 * ng, ng,
+                                                    q.Gc, O + r0 * d, d);
         });
     });
     return;
@@ -656,25 +659,23 @@ torch::Tensor run(Problem& p, const torch::Tensor& q, double scale) {
   // merge the tasks of each (KV head, row) and unfold: row j n + i of KV head kv -> query i, head kv g + j
   // (little work: on this thread, sparing a second wait for the pool)
   float* Y = out.data_ptr<float>();
-  {
-    for (int64_t item = 0; item < p.Hkv * R; ++item) {
-      const int64_t kv = item / R, r = item % R, j = r / p.n, i = r % p.n;
-      float top = NEG_INF;
-      for (int64_t t = 0; t < ntask; ++t) top = std::max(top, pm[(kv * ntask + t) * R + r]);
-      if (top == NEG_INF) continue;  // no visible key: zeros
-      float* y = Y + i * H * d + (kv * p.g + j) * d;
-      float total = 0.0f;
-      for (int64_t t = 0; t < ntask; ++t) {
-        const int64_t at = (kv * ntask + t) * R + r;
-        if (pm[at] == NEG_INF) continue;
-        const float w = std::exp(pm[at] - top);
-        total += pl[at] * w;
-        const float* o = po.data() + at * d;
-        for (int64_t c = 0; c < d; ++c) y[c] += w * o[c];
-      }
-      const float inv = 1.0f / total;
-      for (int64_t c = 0; c < d; ++c) y[c] *= inv;
+  for (int64_t item = 0; item < p.Hkv * R; ++item) {
+    const int64_t kv = item / R, r = item % R, j = r / p.n, i = r % p.n;
+    float top = NEG_INF;
+    for (int64_t t = 0; t < ntask; ++t) top = std::max(top, pm[(kv * ntask + t) * R + r]);
+    if (top == NEG_INF) continue;  // no visible key: zeros
+    float* y = Y + i * H * d + (kv * p.g + j) * d;
+    float total = 0.0f;
+    for (int64_t t = 0; t < ntask; ++t) {
+      const int64_t at = (kv * ntask + t) * R + r;
+      if (pm[at] == NEG_INF) continue;
+      const float w = std::exp(pm[at] - top);
+      total += pl[at] * w;
+      const float* o = po.data() + at * d;
+      for (int64_t c = 0; c < d; ++c) y[c] += w * o[c];
     }
+    const float inv = 1.0f / total;
+    for (int64_t c = 0; c < d; ++c) y[c] *= inv;
   }
   return out.to(q.scalar_type());
 }
