@@ -29,9 +29,8 @@ from speculum.runners import runner_for, under_policy
 from speculum.runners.layerwise import prefill_layerwise
 
 SPECS = ["streaming", "h2o", "snapkv", "tidal", "quest", "kv_quant"]
-# policies whose output under speculation is plain decoding's under the same lossy budget (TidalDecode
-# and Quest select per step from all of a step's rows, so a tree's rows read another selection)
-STEP_INVARIANT = ["streaming", "h2o", "snapkv", "kv_quant"]
+# policies whose output under speculation is plain decoding's under the same lossy budget (all of them)
+STEP_INVARIANT = SPECS
 # policies whose own test file runs these checks (covering budget, lossy budget, every drafter)
 TESTED_ELSEWHERE = {"pyramidkv": "test_kv_budgets", "cake": "test_kv_budgets", "adakv": "test_kv_budgets",
                     "keyformer": "test_kv_evict", "d2o": "test_kv_evict", "chelsea": "test_kv_evict",
@@ -91,8 +90,9 @@ def test_small_budget_under_speculation(tiny, spec):
 def test_every_drafter_equals_ar_under_a_lossy_policy(tiny, spec):
     """Eviction while decoding: each step's tree stops at the policy's next eviction (``draft_depth``);
     KIVI's rows read the groups a one-token step at their position would already have quantized
-    (:class:`~speculum.cache.window.WindowKVCache`): every drafter reproduces ``ar`` under the same
-    lossy policy."""
+    (:class:`~speculum.cache.window.WindowKVCache`); TidalDecode's and Quest's rows each select from
+    what a one-token step at their position would see (:mod:`speculum.kv.rows`): every drafter
+    reproduces ``ar`` under the same lossy policy."""
     assert_drafters_equal_ar(tiny, spec, "12", lookup_prompt(60))
 
 

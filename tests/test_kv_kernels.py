@@ -231,10 +231,13 @@ def test_caches_read_through_the_kernels(monkeypatch, dtype):
     got = cache.attend_slots(0, q, k, v, slots, step)
     want = cache.attend_block(0, q, k, v, cache.gather_block([0], slots, 3)[0], step)
     torch.testing.assert_close(got.float(), want.float(), **tol)
-    # TidalDecode's selection weights over the committed slots
+    # TidalDecode's selection weights over the committed slots, all of them or a mask per row
+    ptol = {"atol": 1e-3 if dtype == torch.bfloat16 else 1e-6, "rtol": 1e-2 if dtype == torch.bfloat16 else 1e-4}
     want = attention_probs(q, cache.kv[0, 0, :, :300], None, layout.scale)
-    torch.testing.assert_close(cache.committed_probs(0, q), want, atol=1e-3 if dtype == torch.bfloat16 else 1e-6,
-                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-4)
+    torch.testing.assert_close(cache.slot_probs(0, q, 300), want, **ptol)
+    visible = torch.rand(3, 300) < 0.5
+    want = attention_probs(q, cache.kv[0, 0, :, :300], grouped(visible, layout.group, torch.float32), layout.scale)
+    torch.testing.assert_close(cache.slot_probs(0, q, 300, visible), want, **ptol)
     # dense reads (attend_all) in place too: a full layer, a sliding one, and one after an eviction, whose
     # window is a mask per KV head over the positions the slots hold
     for evicted in (0, 40):

@@ -204,17 +204,18 @@ class PositionedKVCache(StaticKVCache):
         mask = self.mask(layer, sliding, step, start)
         return self.attend(q, self.kv[layer, 0, :, start:end], self.kv[layer, 1, :, start:end], mask)
 
-    def committed_probs(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """Softmax attention weights ``[H_kv, g*n, length]`` (float32, rows folded) of ``q [n, H, d]`` over
-        the committed slots of ``layer`` (no mask), for policies that score tokens by attention. The keys
-        are read in place (``slot_scores``); :func:`~speculum.attention.attention_probs` over a contiguous
-        copy of them where the kernels are not built."""
+    def slot_probs(self, layer: int, q: torch.Tensor, end: int, visible: torch.Tensor | None = None) -> torch.Tensor:
+        """Softmax attention weights ``[H_kv, g*n, end]`` (float32, rows folded) of ``q [n, H, d]`` over slots
+        ``0 .. end-1`` of ``layer``, row ``i`` seeing the slots where ``visible`` (bool ``[n, end]``; None: all)
+        is True, for policies that score tokens by attention. The keys are read in place (``slot_scores``);
+        :func:`~speculum.attention.attention_probs` over a copy of them where the kernels are not built."""
         s = self.layout
         ops = kernels_for(q, s.head_dim)
         if ops is None:
-            return attention_probs(q, self.kv[layer, 0, :, : self.length], None, s.scale, s.softcap)
-        logits = ops.slot_scores(q, self.kv[layer, 0], None, 0, self.length, mask3(None), s.scale, s.softcap or 0.0)
-        logits = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # the softmax in place: no second [.., L]
+            mask = None if visible is None else grouped(visible, s.group, torch.float32)
+            return attention_probs(q, self.kv[layer, 0, :, :end], mask, s.scale, s.softcap)
+        logits = ops.slot_scores(q, self.kv[layer, 0], None, 0, end, mask3(visible), s.scale, s.softcap or 0.0)
+        logits = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # the softmax in place: no second [.., end]
         return logits.div_(logits.sum(-1, keepdim=True))
 
     def attend_slots(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

@@ -4,7 +4,13 @@ channel-wise minimum and maximum of its keys; at each step and layer, every page
 bound of its attention score, ``sum_c max(q_c min_c, q_c max_c)``, and only the best pages (up
 to the budget) are read, plus the last, unfinished page. Unlike TidalDecode every sparse layer
 selects for itself, from the bounds, without reading the keys. The chosen pages are read in place
-(:meth:`~speculum.cache.PositionedKVCache.attend_slots`), not copied."""
+(:meth:`~speculum.cache.PositionedKVCache.attend_rows`), not copied.
+
+Each query row of a step selects for itself, over the pages a one-token step at its position would
+find (:mod:`speculum.kv.rows`): the committed pages, and pages its tree ancestors complete, whose
+bounds it takes from the step's new keys. A token's output then does not depend on how tokens were
+grouped into steps, and speculation under ``quest`` gives plain decoding's output under it.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import fold_queries
-from .scoring import page_bounds, page_slots, top_slots
+from .rows import RowView, read_rows
+from .scoring import page_bounds
 from .sparse import SparseReadPolicy, SparseState
 
 
@@ -61,15 +68,48 @@ class QuestPolicy(SparseReadPolicy):
         st.kmax[:, :, done:full] = keys.amax(3)
         st.pages = full
 
+    def bounds(self, cache, layer: int, q: torch.Tensor, rows: RowView, pages: int) -> torch.Tensor:
+        """Each row's upper bound of every page's attention logit (the largest over the KV group's query
+        heads): ``[H_kv, n, pages]``, the committed pages' from their stored bounds, a page that a row's
+        ancestors complete from its keys in this step (the new entries are written), -inf past a
+        row's completed pages."""
+        st, s, p, n = cache.state, cache.layout, self.page, rows.n
+        qg = fold_queries(q, s.kv_heads)  # [H_kv, g*n, d]
+        done = st.pages
+        out = torch.full((s.kv_heads, n, pages), float("-inf"), device=q.device)
+        out[:, :, :done] = page_bounds(qg, st.kmin[layer, :, :done], st.kmax[layer, :, :done]).view(
+            s.kv_heads, s.group, n, done).amax(1).float()
+        qrow = qg.view(s.kv_heads, s.group, n, -1)
+        for i in range(n):
+            mine = int(rows.positions[i]) // p
+            if mine <= done:
+                continue
+            pos = torch.arange(done * p, mine * p, device=q.device)[None]  # [1, (mine-done)*p]
+            cols = rows.columns_of(pos.expand(n, -1))[i]
+            keys = cache.kv[layer, 0][:, cols].unflatten(1, (mine - done, p))  # [H_kv, extra, p, d]
+            out[:, i, done:mine] = page_bounds(qrow[:, :, i], keys.amin(2), keys.amax(2)).amax(1).float()
+        return out
+
     def attend(self, cache, layer, sliding, q, k, v, step):
         st, p = cache.state, self.page
-        pages = st.pages
-        tail = cache.length - pages * p
-        want = max(1, (st.read - tail) // p)
-        if self.dense(cache, layer, sliding) or want >= pages:
+        if sliding or layer < self.dense_layers:
             return cache.attend_all(layer, sliding, q, k, v, step)
-        s = cache.layout
-        bound = page_bounds(fold_queries(q, s.kv_heads), st.kmin[layer, :, :pages], st.kmax[layer, :, :pages]).amax(1)
-        chosen = top_slots(bound.float(), want)  # [H_kv, want] page numbers
-        slots = page_slots(chosen, p, pages * p, cache.length)  # with the unfinished page; read in place
-        return cache.attend_slots(layer, q, k, v, slots, step)
+        rows = RowView.of(cache.length, step)
+        pages = rows.positions // p  # [n] each row's completed pages
+        want = ((st.read - (rows.positions - pages * p)) // p).clamp(min=1)  # pages it reads besides its last
+        covered = (rows.positions <= st.read) | (want >= pages)
+        if bool(covered.all()):
+            return cache.attend_all(layer, sliding, q, k, v, step)
+        cache.write(layer, k, v)  # the new entries at slots L .. L+n-1: every column a slot
+        most = int(pages.max())
+        bound = self.bounds(cache, layer, q, rows, most)  # [H_kv, n, most]
+        # each row's ``want`` best pages (ties to the earlier page), all of them for a covered row
+        order = bound.sort(dim=-1, descending=True, stable=True).indices  # [H_kv, n, most]
+        ranked = torch.arange(most, device=q.device).expand_as(order) < want[None, :, None]
+        chosen = torch.zeros_like(ranked).scatter_(-1, order, ranked) | covered[None, :, None]
+        _, inside = rows.position_columns()
+        pos = torch.arange(inside.shape[1], device=q.device)
+        page_of = (pos // p).clamp(max=most - 1)
+        in_chosen = chosen[:, :, page_of] & (pos < pages[:, None] * p)  # [H_kv, n, P] in a chosen page
+        tail = inside & (pos >= pages[:, None] * p)  # the row's unfinished page
+        return read_rows(cache, layer, q, k, v, rows.to_columns((in_chosen | tail) & inside), rows, step)

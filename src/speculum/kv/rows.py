@@ -100,12 +100,47 @@ class RowView:
         deep = (pos - L).clamp(0, anc.shape[1] - 1)
         return torch.where(pos < L, pos, anc.expand(*pos.shape[:-1], -1).gather(-1, deep))
 
+    def position_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's context in position order: ``cols [n, P]`` the column holding position ``p`` for
+        row ``i`` (``P`` = the deepest row's position; the dummy column ``L+n`` where ``p`` is not in the
+        row's context, i.e. ``p >= P_i``) and ``inside [n, P]`` bool, ``p < P_i``."""
+        n, dev = self.n, self.positions.device
+        P = int(self.positions.max())
+        pos = torch.arange(P, device=dev).expand(n, P)
+        inside = pos < self.positions[:, None]
+        cols = self.columns_of(pos) if P else pos
+        return cols.masked_fill(~inside, self.columns), inside
+
+    def by_position(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``scores [H, n, L+n]`` over columns -> ``[H, n, P]`` over each row's context in position order
+        (0 past the row's position), as a one-token step at the row's position holds them in its slots,
+        and ``inside [n, P]`` (:meth:`position_columns`)."""
+        cols, inside = self.position_columns()
+        padded = torch.cat([scores, scores.new_zeros(*scores.shape[:-1], 1)], dim=-1)
+        return padded.gather(-1, cols.expand(scores.shape[0], -1, -1)), inside
+
+    def to_columns(self, chosen: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`by_position` for a choice: bool ``[H, n, P]`` over positions ->
+        ``[H, n, L+n]`` over columns."""
+        cols, _ = self.position_columns()
+        out = torch.zeros(*chosen.shape[:-1], self.columns + 1, dtype=torch.int8, device=chosen.device)
+        out.scatter_add_(-1, cols.expand(chosen.shape[0], -1, -1), chosen.to(torch.int8))
+        return out[..., : self.columns] > 0
+
 
 def top_visible(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k`` best candidates per row: ``scores [..., n, C]`` float, ``candidates`` bool broadcastable
     to it -> bool ``[..., n, C]`` (every candidate where a row has ``k`` or fewer)."""
     s = scores.masked_fill(~candidates, float("-inf"))
     idx = s.topk(min(k, s.shape[-1]), dim=-1).indices
+    return torch.zeros(s.shape, dtype=torch.bool, device=s.device).scatter_(-1, idx, True) & candidates
+
+
+def top_stable(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`top_visible` with ties broken towards the lower index (a stable sort), so that a row's
+    choice does not depend on how long the vector around it is (max-pooled scores have plateaus)."""
+    s = scores.masked_fill(~candidates, float("-inf"))
+    idx = s.sort(dim=-1, descending=True, stable=True).indices[..., : min(k, s.shape[-1])]
     return torch.zeros(s.shape, dtype=torch.bool, device=s.device).scatter_(-1, idx, True) & candidates
 
 

@@ -1,11 +1,17 @@
 """``tidal``: TidalDecode (Yang et al., 2024, "TidalDecode: Fast and Accurate LLM Decoding with
 Position Persistent Sparse Attention"). The first layers attend fully; a token-selection layer
 also attends fully and picks the ``k`` cached tokens with the highest attention (per KV head,
-summed over its query heads and the step's rows); every later layer attends only to those
-positions, until a re-selection layer picks again (defaults: :func:`default_selection_layers`). The
-cache is kept whole: what shrinks is the bytes read per step (``k`` of the context's entries in the
-sparse layers, read in place through :meth:`~speculum.cache.PositionedKVCache.attend_slots`, so
-nothing is copied and memory stays at the full cache's)."""
+summed over its query heads); every later layer attends only to those positions, until a
+re-selection layer picks again (defaults: :func:`default_selection_layers`). The cache is kept
+whole: what shrinks is the bytes read per step (``k`` of the context's entries in the sparse
+layers, read in place through :meth:`~speculum.cache.PositionedKVCache.attend_rows`, so nothing is
+copied and memory stays at the full cache's).
+
+Each query row of a step selects for itself, over what a one-token step at its position would find
+cached (:mod:`speculum.kv.rows`): the committed tokens and its tree ancestors. A token's output
+then does not depend on how tokens were grouped into steps, and speculation under ``tidal`` gives
+plain decoding's output under it.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .scoring import pool_scores, top_slots
+from .rows import RowView, read_rows, top_stable
+from .scoring import pool_scores
 from .sparse import SparseReadPolicy, SparseState
 
 
@@ -22,9 +29,9 @@ class TidalState(SparseState):
     """One request's token selection."""
 
     selection_layers: frozenset[int] = frozenset()
-    slots: torch.Tensor | None = None  # [H_kv, read] the chosen slots, increasing
+    visible: torch.Tensor | None = None  # [H_kv, n, L+n] each row's chosen columns (this step's)
     sparse: frozenset[int] = frozenset()  # the layers that read them (up to the next selection layer)
-    selected_at: int = -1  # cache length when ``slots`` were chosen (this step's, or stale)
+    selected_at: int = -1  # cache length when ``visible`` was chosen (this step's, or stale)
 
 
 def default_selection_layers(sliding: list[bool], dense_layers: int = 2) -> list[int]:
@@ -66,21 +73,33 @@ class TidalPolicy(SparseReadPolicy):
             [cache.layout.is_sliding(i) for i in range(cache.layout.layers)], self.dense_layers)
         return TidalState(read, frozenset(layers))
 
+    def select(self, cache, layer: int, q: torch.Tensor, rows: RowView) -> torch.Tensor:
+        """Each row's ``read`` best positions by the attention it pays them (summed over the KV group's
+        query heads, max-pooled along positions), every position where the row's context is no longer:
+        bool ``[H_kv, n, L+n]`` over the step's columns."""
+        s, n = cache.layout, rows.n
+        probs = cache.slot_probs(layer, q, rows.columns, rows.context)  # [H_kv, g*n, L+n], keys read in place
+        scores, inside = rows.by_position(probs.view(s.kv_heads, s.group, n, -1).sum(1))  # [H_kv, n, P]
+        pooled = pool_scores(scores.flatten(0, 1), self.kernel).view_as(scores)
+        return rows.to_columns(top_stable(pooled, inside, cache.state.read))
+
     def attend(self, cache, layer, sliding, q, k, v, step):
         st = cache.state
-        if self.dense(cache, layer, sliding):
+        if sliding or layer < self.dense_layers:
+            return cache.attend_all(layer, sliding, q, k, v, step)
+        rows = RowView.of(cache.length, step)
+        if int(rows.positions.max()) <= st.read:  # every row's context fits the budget: all read
             return cache.attend_all(layer, sliding, q, k, v, step)
         if layer in st.selection_layers:
-            out = cache.attend_all(layer, sliding, q, k, v, step)
-            s = cache.layout
-            probs = cache.committed_probs(layer, q)  # [H_kv, g*n, L], the keys read in place
+            out = cache.attend_all(layer, sliding, q, k, v, step)  # writes the new entries: every column a slot
             later = [i for i in st.selection_layers if i > layer]
-            upto = min(later) if later else s.layers
-            # the full-attention layers up to the next selection layer read the chosen slots
-            st.sparse = frozenset(i for i in range(layer + 1, upto) if not s.is_sliding(i))
-            st.slots = top_slots(pool_scores(probs.sum(1), self.kernel), st.read)
+            upto = min(later) if later else cache.layout.layers
+            # the full-attention layers up to the next selection layer read the chosen positions
+            st.sparse = frozenset(i for i in range(layer + 1, upto) if not cache.layout.is_sliding(i))
+            st.visible = self.select(cache, layer, q, rows)
             st.selected_at = cache.length
             return out
         if st.selected_at != cache.length or layer not in st.sparse:
             return cache.attend_all(layer, sliding, q, k, v, step)  # before this step's first selection
-        return cache.attend_slots(layer, q, k, v, st.slots, step)
+        cache.write(layer, k, v)
+        return read_rows(cache, layer, q, k, v, st.visible, rows, step)
