@@ -7,13 +7,21 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, tiny_gemma3, tiny_llama
+from conftest import TINY_VOCAB, random_head, tiny_gemma3, tiny_llama
+from test_sampling import VOCAB, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.drafters import DRAFTERS
+from speculum.drafters.clover import CloverDrafter
 from speculum.drafters.del_exit import ExitRates, spaced_exits
 from speculum.drafting.layer_cost import best_depth
+from speculum.engine import Engine
 from speculum.errors import SpeculumError
+from speculum.heads.clover import CloverConfig, CloverContext, CloverHeads
 from speculum.methods import build_method
+from speculum.runners import NativeRunner
+from speculum.train.clover import sequence_item
+from speculum.train.distill import Sample
+from speculum.tree import DraftTree
 
 
 def prompts(seed: int, n: int = 3) -> list[list[int]]:
@@ -101,3 +109,104 @@ def test_del_refuses_bad_exits():
         DRAFTERS["del"].factory(target=model, draft_head=None, exits=[4])
     with pytest.raises(SpeculumError, match="decay"):
         DRAFTERS["del"].factory(target=model, draft_head=None, decay=0.0)
+
+
+# ---- Clover
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("shape", [{"top_k": 1, "max_nodes": 4}, {"top_k": 4, "max_nodes": 24}], ids=["chain", "tree"])
+@pytest.mark.parametrize("trimmed", [False, True], ids=["full_vocab", "trimmed_vocab"])
+def test_clover_greedy_equals_ar(make, shape, trimmed, tmp_path):
+    model = make()
+    path = random_head(model, tmp_path / "c.safetensors", trimmed, kind="clover")
+    ar = build_method("ar", model, None)
+    method = build_method("clover", model, None, draft_head=str(path), sized=False, **shape)
+    drafted = 0
+    for p in prompts(1) + [repetitive(2)]:
+        r = method.run(p, 40)
+        assert r.tokens == ar.run(p, 40).tokens
+        drafted += sum(s.drafted for s in r.steps)
+    assert drafted > 0
+
+
+def random_clover(dim: int = 16, heads: int = 3, seed: int = 0) -> CloverHeads:
+    torch.manual_seed(seed)
+    head = CloverHeads(CloverConfig(hidden=dim, num_heads=heads, attn_heads=4))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return head.freeze()
+
+
+def test_clover_regressive_connection_makes_each_depth_read_the_path_and_the_context():
+    """Head ``k`` at ``t`` reads ``x_{t+1} .. x_{t+k}`` (not later ones) and the features up to ``t``
+    (not later ones); shapes ``[B, T, K, D]``."""
+    head = random_clover()
+    feats, embeds = torch.randn(2, 5, 16), torch.randn(2, 5, 3, 16)
+    out = head(feats, embeds)
+    assert out.shape == (2, 5, 3, 16)
+    changed = embeds.clone()
+    changed[:, :, 1] += 1.0  # the token head 2 reads last
+    out2 = head(feats, changed)
+    assert torch.equal(out2[:, :, 0], out[:, :, 0])  # head 1 does not read it
+    assert not torch.allclose(out2[:, :, 1], out[:, :, 1]) and not torch.allclose(out2[:, :, 2], out[:, :, 2])
+    later = feats.clone()
+    later[:, 3:] += 1.0  # the context after position 2
+    out3 = head(later, embeds)
+    assert torch.allclose(out3[:, :3], out[:, :3], atol=1e-6)  # causal
+    assert not torch.allclose(out3[:, 3:], out[:, 3:])
+    earlier = feats.clone()
+    earlier[:, 0] += 1.0  # an early context feature reaches every later position's every depth
+    out4 = head(earlier, embeds)
+    assert not torch.allclose(out4[:, 4, 2], out[:, 4, 2])
+
+
+def test_clover_drafting_context_computes_what_training_does():
+    """The incremental context (features arriving a few at a time) and the regressive steps give the
+    heads' training-time outputs at the last position."""
+    head = random_clover()
+    feats, embeds = torch.randn(1, 7, 16), torch.randn(1, 7, 3, 16)
+    want = head(feats, embeds)[0, -1]  # [K, D] at the last position
+    context = CloverContext(head)
+    for lo, hi in ((0, 4), (4, 5), (5, 7)):
+        context.extend(feats[0, lo:hi])
+    state, got = context.last[None], []
+    for k in range(1, 4):
+        state = context.step(state, embeds[0, -1, k - 1][None])
+        got.append(context.head(k, state)[0])
+    assert torch.allclose(torch.stack(got), want, atol=1e-5)
+
+
+def test_clover_training_items_label_the_tokens_after_each_position():
+    s = Sample(ids=[10, 11, 12, 13, 14], prompt_len=2, kind="chat", feats=torch.zeros(4, 8))
+    feats, ids, mask = sequence_item(s, heads=2, max_len=64)
+    assert feats.shape == (4, 8)
+    assert ids.tolist()[0] == [11, 12, 13] and ids.tolist()[3] == [14, -1, -1]
+    # head k at t labels x_{t+1+k}: a response token (position >= 2) that exists
+    assert mask.tolist() == [[True, True], [True, True], [True, False], [False, False]]
+
+
+class MisreportedQ(CloverDrafter):
+    """Broken: drafts from the head's q but tells the verifier it was certain (a point mass)."""
+
+    def propose(self, tokens, budget):
+        tree = super().propose(tokens, budget)
+        if tree.draft_probs is None or not len(tree):
+            return tree
+        width = tree.draft_probs.shape[-1]
+        return DraftTree.chain(tree.tokens, torch.nn.functional.one_hot(torch.tensor(tree.tokens), width).float())
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["clover", "misreported_q"])
+def test_clover_sampling_keeps_the_target_distribution(broken, tmp_path):
+    model = tiny_llama(seed=3, vocab=VOCAB, logit_scale=8.0)
+    path = random_head(model, tmp_path / "c.safetensors", seed=2, scale=4.0, kind="clover")
+    drafter = (MisreportedQ if broken else CloverDrafter)(model, path)
+    engine = Engine(NativeRunner(model), drafter, eos_token_ids=[])
+    n = 5000
+    p = chi2_pvalue(sample_pairs(engine, n, seed0=300), exact_joint(model), n)
+    if broken:
+        assert p < 1e-6, f"the broken variant passed: p = {p:.2e}"
+    else:
+        assert p > 1e-3, f"chi-square p = {p:.2e}"
