@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, random_head, tiny_gemma3, tiny_llama
+from conftest import TINY_VOCAB, committed_per_step, random_head, tiny_gemma3, tiny_llama
 from test_sampling import VOCAB, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.drafters import DRAFTERS
@@ -204,9 +204,47 @@ def test_clover_sampling_keeps_the_target_distribution(broken, tmp_path):
     path = random_head(model, tmp_path / "c.safetensors", seed=2, scale=4.0, kind="clover")
     drafter = (MisreportedQ if broken else CloverDrafter)(model, path)
     engine = Engine(NativeRunner(model), drafter, eos_token_ids=[])
-    n = 3000
+    n = 2000
     p = chi2_pvalue(sample_pairs(engine, n, seed0=300), exact_joint(model), n)
     if broken:
         assert p < 1e-6, f"the broken variant passed: p = {p:.2e}"
     else:
         assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+def test_clover_training_raises_acceptance(tmp_path):
+    """A few seconds of training on the tiny model's own outputs beat the untrained heads."""
+    from test_learned_heads import tiny_data
+
+    from speculum.train.clover import CloverTrainer
+    from speculum.train.trainer import TrainConfig
+
+    model, samples = tiny_data()
+    cfg = TrainConfig(epochs=6, lr=3e-3, batch_pairs=512, vocab=0, checkpoint_every=10_000, eval_depths=3, num_heads=3)
+    trainer = CloverTrainer(model, samples, tmp_path / "run", cfg, progress=False)
+    untrained = trainer.save(tmp_path / "untrained.safetensors", {})
+    top1_before = trainer.evaluate()[0]
+    trainer.run()
+    trained = trainer.save(tmp_path / "trained.safetensors", {})
+    assert trainer.history.evals[-1]["top1"][0] > top1_before
+
+    def accepted(path):
+        method = build_method("clover", model, None, draft_head=str(path), top_k=4, max_nodes=16, sized=False)
+        return committed_per_step(method, prompts(9, n=4), ar=build_method("ar", model, None))
+
+    before, after = accepted(untrained), accepted(trained)
+    assert after > before + 0.3, (before, after)
+
+
+@pytest.mark.slow
+def test_del_on_smollm2_float32_equals_ar(smollm2_f32):
+    """The packaged SmolLM2 in float32: DEL's output is ar's, and it drafts where the text repeats."""
+    from speculum.prompts import encode_prompt
+
+    model, tok = smollm2_f32
+    ar = build_method("ar", model, tok)
+    method = build_method("del", model, tok, sized=False)
+    ids = encode_prompt(tok, "Repeat this list twice: apple, banana, cherry, date, elderberry, fig, grape.", True)
+    r = method.run(ids, 32)
+    assert r.tokens == ar.run(ids, 32).tokens
+    assert sum(s.drafted for s in r.steps) > 0
