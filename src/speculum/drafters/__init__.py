@@ -117,7 +117,7 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "draft_model_tree": DrafterEntry(partial(DraftModelDrafter, top_k=4), "a smaller model with the same tokenizer "
                                      "drafts EAGLE-2's dynamic tree (top 4 per node), sized", scored=True,
                                      needs_draft_model=True),
-    **{name: learned_entry(kind) for name, kind in LEARNED.items()},  # eagle, medusa, hydra, kangaroo, ppd
+    **{name: learned_entry(kind) for name, kind in LEARNED.items()},  # eagle, medusa, hydra, clover, kangaroo, ppd
     "eagle_fullvocab": DrafterEntry(partial(EagleDrafter, full_vocab=True), "eagle drafting through the target's "
                                     "whole LM head (against its trimmed draft vocabulary)", scored=True, needs_target=True),
     "swift": DrafterEntry(SwiftDrafter, "the target with layers skipped drafts chains, the skipped set searched "

@@ -30,8 +30,8 @@ tokens from layer 4.
 
 Departures from the paper, and why:
 
-- Candidate exits: ``exits`` (default: at most ``max_exits = 6`` layers evenly spaced over the
-  middle of the model; the paper tracks every layer). A shadow token costs an LM-head product per
+- Candidate exits: ``exits`` (default: at most ``max_exits = 6`` layers evenly spaced from
+  ``N / 8`` to ``N - 1``; the paper tracks every layer). A shadow token costs an LM-head product per
   candidate and committed token, which on a CPU is a fair share of a step (the head is about a
   fifth of SmolLM2-135M's weights).
 - ``c_l`` is the share of the weights a forward through ``l`` layers and the LM head reads
@@ -61,8 +61,8 @@ from .self_draft import SelfDrafter
 
 
 def spaced_exits(layers: int, count: int) -> tuple[int, ...]:
-    """At most ``count`` exit layers evenly spaced over ``1 .. layers - 1`` (the middle of the model
-    weighted: the first and last are poor or worthless exits), for a model of ``layers`` layers."""
+    """At most ``count`` exit layers evenly spaced from ``layers // 8`` (at least 1; the very first
+    layers are poor exits) to ``layers - 1``, for a model of ``layers`` layers."""
     if layers < 2:
         return ()
     lo, hi = max(1, layers // 8), layers - 1
@@ -109,7 +109,7 @@ class DelDrafter(SelfDrafter):
         # hidden state l: the output of the first l layers; the last (N): the target's final feature
         self.hidden_layers = (*exits, n)
         self.costs = {e: kept_share(self.decoder, e) for e in exits}
-        self.models = {e: SelfDraft(self.decoder, layers=range(e)) for e in exits}
+        self.models = {e: SelfDraft(self.decoder, layers=list(range(e))) for e in exits}
         self.model = self.models[exits[-1]]
         self.rates = ExitRates(exits, decay)
         self.choice: tuple[int, int] = (exits[-1], 0)  # (exit layer, chain length) of the last step
@@ -120,7 +120,7 @@ class DelDrafter(SelfDrafter):
 
     def fork(self) -> DelDrafter:
         twin = super().fork()
-        twin.models = {e: SelfDraft(self.decoder, layers=range(e)) for e in self.exits}
+        twin.models = {e: SelfDraft(self.decoder, layers=list(range(e))) for e in self.exits}
         twin.model = twin.models[self.choice[0]]
         return twin
 
