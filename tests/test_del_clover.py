@@ -103,10 +103,26 @@ def test_del_shadow_tokens_count_what_an_exit_would_have_drafted():
     assert sum(s.accepted for s in r.steps) == sum(s.drafted for s in r.steps) > 0
 
 
+def test_del_probes_every_nth_step():
+    """``probe_every``: shadow tokens of the prompt, then of every n-th step only."""
+    model = tiny_llama(layers=3)
+    p = [5, 9, 2, 7, 7, 1, 3, 8, 4, 6, 2]
+    counts = {}
+    for every in (1, 1000):
+        method = build_method("del", model, None, sized=False, exits=[1, 2], decay=1.0, probe_every=every)
+        r = method.run(p, 20)
+        # the steps' rows: every step but the last (after which the request ended) hands over its committed tokens
+        counts[every] = (method.engine.drafter.rates.seen[1], sum(s.committed for s in r.steps[:-1]))
+    assert counts[1000][0] == len(p) - 1  # the prompt's rows (all but its last token) only
+    assert counts[1][0] == len(p) - 1 + counts[1][1]
+
+
 def test_del_refuses_bad_exits():
     model = tiny_llama(layers=4)
     with pytest.raises(SpeculumError, match="exits"):
         DRAFTERS["del"].factory(target=model, draft_head=None, exits=[4])
+    with pytest.raises(SpeculumError, match="probe_every"):
+        DRAFTERS["del"].factory(target=model, draft_head=None, probe_every=0)
     with pytest.raises(SpeculumError, match="decay"):
         DRAFTERS["del"].factory(target=model, draft_head=None, decay=0.0)
 
