@@ -18,6 +18,7 @@ from .ar import AutoregressiveDrafter
 from .arm_memory import ArmMemory, arm_name
 from .auto import AutoDrafter
 from .base import Drafter
+from .del_exit import DelDrafter
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
 from .hydra import HydraDrafter
@@ -116,11 +117,14 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "draft_model_tree": DrafterEntry(partial(DraftModelDrafter, top_k=4), "a smaller model with the same tokenizer "
                                      "drafts EAGLE-2's dynamic tree (top 4 per node), sized", scored=True,
                                      needs_draft_model=True),
-    **{name: learned_entry(kind) for name, kind in LEARNED.items()},  # eagle, medusa, hydra, kangaroo, ppd
+    **{name: learned_entry(kind) for name, kind in LEARNED.items()},  # eagle, medusa, hydra, clover, kangaroo, ppd
     "eagle_fullvocab": DrafterEntry(partial(EagleDrafter, full_vocab=True), "eagle drafting through the target's "
                                     "whole LM head (against its trimmed draft vocabulary)", scored=True, needs_target=True),
     "swift": DrafterEntry(SwiftDrafter, "the target with layers skipped drafts chains, the skipped set searched "
                           "on the fly (SWIFT)", scored=True, needs_target=True),
+    "del": DrafterEntry(DelDrafter, "the target's first layers and its LM head draft chains, exit layer and "
+                        "length chosen per context from tracked per-layer acceptance (DEL)", scored=True,
+                        needs_target=True),
     "quant_self": DrafterEntry(QuantSelfDrafter, "an int4 weight-only copy of the target drafts chains over the "
                                "target's cache (QSpec-style), a chain found earlier in the text ending with "
                                "what followed it", scored=True, needs_target=True),
@@ -145,6 +149,7 @@ __all__ = [
     "DRAFTERS",
     "AutoDrafter",
     "AutoregressiveDrafter",
+    "DelDrafter",
     "DraftModelDrafter",
     "Drafter",
     "DrafterEntry",

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..drafting.layer_cost import best_depth, kept_share
 from ..drafting.self_forward import SelfDraft
 from ..errors import SpeculumError
 from .self_draft import SelfDrafter
@@ -67,21 +68,11 @@ class SwiftDrafter(SelfDrafter):
 
     def cost(self, skip: Sequence[int]) -> float:
         """A skipped model's step cost as a share of the full model's: the weights it reads."""
-        s = self.decoder.shape
-        layer = s.hidden * ((s.heads + 2 * s.kv_heads) * s.head_dim + s.heads * s.head_dim)
-        layer += 3 * s.hidden * self._ffn
-        head = s.vocab * s.hidden
-        return ((s.layers - len(skip)) * layer + head) / (s.layers * layer + head)
-
-    @property
-    def _ffn(self) -> int:
-        down = self.decoder.layers[0].down
-        return down.in_features
+        return kept_share(self.decoder, self.decoder.shape.layers - len(skip))
 
     def worth(self, match: float, cost: float) -> float:
         """The best expected speed over chain lengths, in units of plain decoding's (module docstring)."""
-        a = min(match, 0.999)
-        return max((1 - a ** (g + 1)) / (1 - a) / (g * cost + 1) for g in range(1, self.depth + 1))
+        return best_depth(match, cost, range(1, self.depth + 1))[1]
 
     @torch.inference_mode()
     def _argmax(self, skip: Sequence[int], ids: torch.Tensor, positions: torch.Tensor, start: int) -> torch.Tensor:

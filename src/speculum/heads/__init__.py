@@ -19,6 +19,7 @@ import torch
 
 from ..errors import SpeculumError
 from ..models import target_key
+from .clover import CloverConfig, CloverHeads
 from .eagle import EagleConfig, EagleHead, HeadCache
 from .hydra import HydraConfig, HydraHeads
 from .kangaroo import KangarooAdapter, KangarooConfig
@@ -30,6 +31,8 @@ SHIPPED = Path(__file__).parent / "weights"
 
 __all__ = [
     "LEARNED",
+    "CloverConfig",
+    "CloverHeads",
     "EagleConfig",
     "EagleHead",
     "HeadCache",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
+from .clover import CloverConfig, CloverHeads
 from .eagle import EagleConfig, EagleHead
 from .hydra import HydraConfig, HydraHeads
 from .kangaroo import KangarooAdapter, KangarooConfig
@@ -61,6 +62,9 @@ LEARNED: dict[str, LearnedKind] = {
     "hydra": LearnedKind(HydraConfig, HydraHeads, "speculum.drafters.hydra:HydraDrafter",
                          "trained Hydra heads (Medusa heads reading the drafted tokens), dynamic tree",
                          "speculum.train.medusa:HydraTrainer", {"epochs": 4}),
+    "clover": LearnedKind(CloverConfig, CloverHeads, "speculum.drafters.clover:CloverDrafter",
+                          "trained Clover heads (a regressive attention decoder over the context), dynamic tree",
+                          "speculum.train.clover:CloverTrainer", {"epochs": 4}),
     "kangaroo": LearnedKind(KangarooConfig, KangarooAdapter, "speculum.drafters.kangaroo:KangarooDrafter",
                             "the target's first layers and a trained adapter draft chains with early exit "
                             "(Kangaroo)", "speculum.train.kangaroo:KangarooTrainer", {"epochs": 5}),
