@@ -312,7 +312,8 @@ class Decoding:
         reason = self.reason or FinishReason.CANCELLED
         return GenerationResult(len(self.prompt), self.generated, self.stops.final_text(self.generated, reason),
                                 reason, time.perf_counter() - self.t0, self.prefill_s, len(self.steps),
-                                self.steps, self.cache.peak_bytes, self.logprobs)
+                                self.steps, self.cache.peak_bytes, self.logprobs, self.verifier.name,
+                                self.verifier.lossy)
 
 
 def emitted_logprobs(logits: torch.Tensor, rows: list[int], verified: list[int], emitted: list[int],
