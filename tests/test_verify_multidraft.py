@@ -50,6 +50,8 @@ class SpecTrWithoutTransport(SpecTrVerifier):
     """Wrong on purpose: K-SEQ with rho fixed at 1 (no optimal-transport correction)."""
 
     def pick_child(self, tree, children, p):
+        if len(children) < 2:
+            return super().pick_child(tree, children, p)
         q = tree.draft_probs[children[0]]
         for c in children:
             x = tree.tokens[c]
@@ -68,7 +70,7 @@ def node_counts(verifier_cls, siblings: str, k: int, n: int, seed: int = 0) -> C
     """First emitted token over ``n`` verifications of ``k`` siblings drawn from Q as ``siblings`` says."""
     gen = torch.Generator().manual_seed(seed)
     v = verifier_cls(ONE, gen, key=None)
-    logits = P.log()[None]  # [1, V]: temperature 1 gives back P
+    logits = P.log().expand(k + 1, -1)  # [k + 1, V]: temperature 1 gives back P at the root
     counts: Counter = Counter()
     for _ in range(n):
         if siblings == "iid":
@@ -81,7 +83,8 @@ def node_counts(verifier_cls, siblings: str, k: int, n: int, seed: int = 0) -> C
 
 
 def node_pvalue(counts: Counter, n: int) -> float:
-    return chisquare([counts.get(i, 0) for i in range(len(P))], (P * n).tolist()).pvalue
+    obs = [counts.get(i, 0) for i in range(len(P))]
+    return chisquare(obs, (P.double() / P.double().sum() * sum(obs)).tolist()).pvalue
 
 
 @pytest.mark.parametrize("rule,siblings", [(Verifier, "iid"), (RSDVerifier, "without_replacement"),
@@ -199,6 +202,8 @@ class SiblingTreeDrafter(Drafter):
             return self.params.probs(self.draft(torch.tensor([seq])).logits[0, -1])
 
     def propose(self, tokens, budget):
+        if budget <= 0:
+            return DraftTree()
         q0 = self._q(tokens)
         k = min(self.width, budget)
         if self.siblings == "iid":
@@ -221,26 +226,28 @@ def model():
     return tiny_llama(seed=3, vocab=VOCAB, logit_scale=8.0)
 
 
-@pytest.mark.parametrize("rule", ["specinfer", "rsd", "spectr", "spectr_draft_model_chain"])
+@pytest.mark.parametrize("rule", ["rsd", "spectr"])
 def test_engine_output_follows_the_target(model, rule):
-    draft = tiny_llama(seed=4, vocab=VOCAB, logit_scale=5.0)
-    if rule.endswith("_chain"):
-        rule, drafter = rule.removesuffix("_draft_model_chain"), DraftModelDrafter(draft, num_draft=2)
-    else:
-        drafter = SiblingTreeDrafter(draft)
+    """The rules inside the engine (siblings drawn as the rule tells the drafter, two levels). Few
+    samples, to stay fast: the one-node tests above carry the power (and the broken variants)."""
+    drafter = SiblingTreeDrafter(tiny_llama(seed=4, vocab=VOCAB, logit_scale=5.0))
     engine = Engine(NativeRunner(model), drafter, eos_token_ids=[], verifier_cls=verifier_class(rule))
-    n = 4000
+    n = 1200
     assert chi2_pvalue(sample_pairs(engine, n, seed0=300), exact_joint(model), n) > 1e-3
     result = engine.generate(PROMPT, 30, PARAMS, seed=1)
     assert result.verify == rule and not result.lossy
     assert 1.1 < result.mean_accepted < 3.0  # drafts were really accepted and rejected
 
 
-def test_engine_with_a_broken_rule_is_detected(model):
-    drafter = SiblingTreeDrafter(tiny_llama(seed=4, vocab=VOCAB, logit_scale=5.0))
-    engine = Engine(NativeRunner(model), drafter, eos_token_ids=[], verifier_cls=SpecInferOnDistinctDraws)
-    n = 8000
-    assert chi2_pvalue(sample_pairs(engine, n, seed0=900), exact_joint(model), n) < 1e-6
+def test_draft_model_chains_verify_alike_under_every_rule(model):
+    """draft_model's sampled chains: one child per node, Leviathan/Chen's rule under every rule (the
+    same random numbers drawn in the same order: the same text); test_sampling checks it keeps p."""
+    draft = tiny_llama(seed=4, vocab=VOCAB, logit_scale=5.0)
+    outs = {rule: Engine(NativeRunner(model), DraftModelDrafter(draft, num_draft=3), eos_token_ids=[],
+                         verifier_cls=verifier_class(rule)).generate(PROMPT, 40, PARAMS, seed=5)
+            for rule in VERIFY_RULES}
+    assert len({tuple(o.tokens) for o in outs.values()}) == 1
+    assert outs["rsd"].mean_accepted > 1.1
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3])
@@ -304,7 +311,7 @@ def test_judge_leaves_sampled_requests_exact():
     v = judge_rule(constant_judge(5.0, 0), warn=False)(ONE, torch.Generator().manual_seed(0), None)
     assert isinstance(v, JudgeVerifier)
     n = 3000
-    counts = Counter(v.accept(DraftTree([0], [-1]), P.log()[None], hidden={0: torch.zeros(2, 64)}).tokens[0]
+    counts = Counter(v.accept(DraftTree([0], [-1]), P.log().expand(2, -1), hidden={0: torch.zeros(2, 64)}).tokens[0]
                      for _ in range(n))
     assert node_pvalue(counts, n) > 1e-3
 

@@ -27,6 +27,7 @@ there the verifier uses SpecInfer's sequential rule, exact for independent draws
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..tree import DraftTree
@@ -38,28 +39,30 @@ BISECTION_STEPS = 30  # rho within (k - 1) / 2^30 of the smallest feasible value
 def k_seq_rho(p: torch.Tensor, q: torch.Tensor, k: int) -> float:
     """The smallest ``rho`` in ``[1, k]`` with ``c(rho) <= rho`` (to bisection precision, always on
     the feasible side), for target ``p`` and draft ``q`` ``[V]`` and ``k`` drafts."""
-    if k <= 1 or _selection_gain(p, q, k, 1.0) <= 1.0:
+    pn, qn = p.double().cpu().numpy(), q.double().cpu().numpy()  # [V] each; numpy: no per-op overhead
+    if k <= 1 or _gain(pn, qn, k, 1.0) <= 1.0:
         return 1.0
     lo, hi = 1.0, float(k)
     for _ in range(BISECTION_STEPS):
         mid = (lo + hi) / 2
-        if _selection_gain(p, q, k, mid) <= mid:
+        if _gain(pn, qn, k, mid) <= mid:
             hi = mid
         else:
             lo = mid
     return hi
 
 
-def _selection_gain(p: torch.Tensor, q: torch.Tensor, k: int, rho: float) -> float:
+def _gain(p: np.ndarray, q: np.ndarray, k: int, rho: float) -> float:
     """``c(rho) = (1 - (1 - beta)^k) / beta``: how much the k tries multiply one try's acceptance."""
-    beta = float(torch.minimum(q, p / rho).double().sum())
+    beta = float(np.minimum(q, p / rho).sum())
     return float(k) if beta <= 0 else (1.0 - (1.0 - beta) ** k) / beta
 
 
 def k_seq_residual(p: torch.Tensor, q: torch.Tensor, k: int, rho: float) -> torch.Tensor:
     """``[V]`` the distribution to sample from after all ``k`` drafts were rejected."""
     accepted = torch.minimum(q, p / rho)  # [V] one try's acceptance mass per token
-    r = (p - accepted * _selection_gain(p, q, k, rho)).clamp_min(0)
+    gain = _gain(p.double().cpu().numpy(), q.double().cpu().numpy(), k, rho)
+    r = (p - accepted * gain).clamp_min(0)
     total = r.sum()
     return r / total if total > 0 else p
 
