@@ -232,7 +232,7 @@ def test_engine_output_follows_the_target(model, rule):
     samples, to stay fast: the one-node tests above carry the power (and the broken variants)."""
     drafter = SiblingTreeDrafter(tiny_llama(seed=4, vocab=VOCAB, logit_scale=5.0))
     engine = Engine(NativeRunner(model), drafter, eos_token_ids=[], verifier_cls=verifier_class(rule))
-    n = 1200
+    n = 800
     assert chi2_pvalue(sample_pairs(engine, n, seed0=300), exact_joint(model), n) > 1e-3
     result = engine.generate(PROMPT, 30, PARAMS, seed=1)
     assert result.verify == rule and not result.lossy
