@@ -14,7 +14,10 @@ name           siblings drawn (``Drafter.siblings``)  rule at a node with severa
 =============  ===================================  ====================================================
 
 The engine tells the drafter how to draw (:attr:`~speculum.drafters.base.Drafter.siblings`, from
-the rule's ``siblings``) and the rule checks the tree's :attr:`~speculum.tree.DraftTree.siblings`.
+the rule's ``siblings``) and the rule checks the tree's :attr:`~speculum.tree.DraftTree.siblings`. A sampled tree must reach the
+verifier with each node's siblings intact or cut to a prefix of their draw order (RSD's ``q_j``
+removes the siblings before ``j``; SpecTr's ``k`` counts them): a drafter of sampled sibling trees
+gives no ``scores``, which keeps the engine's tree sizer off them.
 """
 
 from __future__ import annotations
