@@ -80,7 +80,7 @@ def fit_judge(hidden: torch.Tensor, labels: torch.Tensor, layer: int, steps: int
             loss.backward()
             opt.step()
     weight = (w / std).detach()
-    bias = float(b - (mean / std) @ w)
+    bias = float((b - (mean / std) @ w).detach())
     return JudgeHead(weight, bias, layer, threshold, ratio, model)
 
 
