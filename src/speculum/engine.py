@@ -234,6 +234,7 @@ class Decoding:
             # compressed view's selection): prompt processing, timed with the prefill
             t = time.perf_counter()
             self.drafter.end_ids = frozenset(self.stops.eos_ids)
+            self.drafter.siblings = self.verifier.siblings
             self.drafter.reset(self.prompt, self.verifier.params, self.verifier.generator)
             if self.drafter.reads_cache:
                 self.drafter.see_cache(self.cache)
@@ -276,7 +277,7 @@ class Decoding:
         t = time.perf_counter()
         guide, stops = self.guide, self.stops
         logits = guide.mask(raw_logits if self.penalties is None else self.penalties.apply(tree, raw_logits))
-        acc = self.verifier.accept(tree, logits, position=len(self.tokens))
+        acc = self.verifier.accept(tree, logits, position=len(self.tokens), hidden=hidden)
         verify_s += time.perf_counter() - t
         t_c = time.perf_counter()
         kept = [0] + [i + 1 for i in acc.path]  # the rows of the root and the accepted path
@@ -292,7 +293,7 @@ class Decoding:
         if self.reason is None:
             if self.drafter.hidden_layers:
                 rows = torch.tensor(kept, device=raw_logits.device)
-                self.drafter.see_hidden({i: h.index_select(0, rows) for i, h in hidden.items()})
+                self.drafter.see_hidden({i: hidden[i].index_select(0, rows) for i in self.drafter.hidden_layers})
             if tree.prompts is not None:
                 self.drafter.see_prompt_logits(tree, acc, prompt_logits)
             self.drafter.update(self.tokens, tree, acc, logits)
@@ -311,7 +312,8 @@ class Decoding:
         reason = self.reason or FinishReason.CANCELLED
         return GenerationResult(len(self.prompt), self.generated, self.stops.final_text(self.generated, reason),
                                 reason, time.perf_counter() - self.t0, self.prefill_s, len(self.steps),
-                                self.steps, self.cache.peak_bytes, self.logprobs)
+                                self.steps, self.cache.peak_bytes, self.logprobs, self.verifier.name,
+                                self.verifier.lossy)
 
 
 def emitted_logprobs(logits: torch.Tensor, rows: list[int], verified: list[int], emitted: list[int],
@@ -358,7 +360,8 @@ def step(decodings: Sequence[Decoding], sizer: TreeSizer | None = None,
     runner = (decodings or [p[0] for p in prefills])[0].runner
     caches = [d.cache for d in decodings]
     roots = [d.tokens[-1] for d in decodings]
-    layers = sorted({i for d in list(decodings) + [p[0] for p in prefills] for i in d.drafter.hidden_layers})
+    layers = sorted({i for d in list(decodings) + [p[0] for p in prefills] for i in d.drafter.hidden_layers}
+                    | {i for d in decodings for i in d.verifier.hidden_layers})
     if len(decodings) == 1 and not prefills:
         outs = [runner.forward(caches[0], roots[0], trees[0], layers)]
     else:

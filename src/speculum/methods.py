@@ -38,6 +38,9 @@ from .runners import Runner, runner_for, under_policy, weights_released
 from .sampling import SamplingParams
 from .stops import Stops, cut_at_stop
 from .tree_sizing import CostModel, TreeSizer
+from .verify import Verifier
+from .verify.judge import judge_rule
+from .verify.rules import DEFAULT_RULE, verifier_class
 
 ENGINE_METHODS = tuple(DRAFTERS)
 # drafters whose trees carry scores: the engine sizes them to the hardware's calibrated cost curve
@@ -302,12 +305,21 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
             if none is cached.
         options: drafter settings, e.g. ``max_draft=12`` for ``ngram``, ``num_draft=4`` for
             ``draft_model``, ``max_tree`` for the engine, ``kv_policy`` (a :class:`~speculum.kv.KVPolicy`),
-            ``draft_head`` (a head file for the learned drafters, ``eagle``; default the shipped one).
+            ``draft_head`` (a head file for the learned drafters, ``eagle``; default the shipped one),
+            ``verify`` (a rule of :data:`~speculum.verify.rules.VERIFY_RULES`, default ``specinfer``),
+            ``judge`` (a :class:`~speculum.verify.judge.JudgeHead` or its file: judge decoding, LOSSY).
     """
     check_method(name, draft_model is not None)
     if name in NEEDS_DRAFT:
         check_draft(name, model, tokenizer, draft_model, draft_tokenizer)
     kv_policy = options.pop("kv_policy", None)
+    verifier_cls = verifier_class(options.pop("verify", None) or DEFAULT_RULE)
+    judge, judge_threshold = options.pop("judge", None), options.pop("judge_threshold", None)
+    if judge is not None:
+        verifier_cls = judge_rule(judge, judge_threshold)
+    if name not in ENGINE_METHODS and verifier_cls is not Verifier:
+        raise SpeculumError(f"method {name!r} does not run speculum's verifier: --verify and --judge are for "
+                            f"speculum's engine methods ({', '.join(ENGINE_METHODS[:3])}, ...)")
     if name in LLAMA_METHODS:
         from .models import context_length
 
@@ -357,7 +369,7 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
     sizer = TreeSizer(cost_model or functools.partial(_calibrated, runner)) if sized else None
     runner = under_policy(runner, kv_policy)
     return EngineMethod(name, Engine(runner, drafter, tokenizer, max_tree=max_tree, sizer=sizer,
-                                     chains_only=chains_only))
+                                     chains_only=chains_only, verifier_cls=verifier_cls))
 
 
 def _calibrated(runner):

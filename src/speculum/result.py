@@ -56,6 +56,8 @@ class GenerationResult:
     steps: list[StepStats] = field(default_factory=list)  # per-step detail (engine methods only)
     kv_bytes: int = 0  # the most bytes the KV cache held (committed entries; 0 where not measured)
     logprobs: list[TokenLogprob] | None = None  # one per token, where the sampling parameters asked
+    verify: str = "specinfer"  # the verification rule (speculum.verify.rules; engine methods)
+    lossy: bool = False  # True when a lossy rule (judge decoding) may have committed other text than plain decoding
 
     @property
     def new_tokens(self) -> int:
@@ -88,6 +90,8 @@ class GenerationResult:
             "forced": sum(s.forced for s in self.steps),
             "time_mask_s": round(sum(s.mask_s for s in self.steps), 4),
             "kv_bytes": self.kv_bytes,
+            "verify": self.verify,
+            **({"lossy": True} if self.lossy else {}),
             **({} if self.logprobs is None else {"logprobs": [
                 {"token": t.token, "logprob": t.logprob, "top": [list(x) for x in t.top]} for t in self.logprobs]}),
         }

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+SIBLING_DRAWS = ("iid", "without_replacement")  # how a sampled tree's siblings were drawn (DraftTree.siblings)
+
 
 @dataclass
 class PromptRows:
@@ -65,6 +67,11 @@ class DraftTree:
             ``update`` after the engine trimmed the tree.
         prompts: :class:`PromptRows` to run beside the tree in the same forward, or ``None``; kept
             through :meth:`subtree` for the nodes kept.
+        siblings: how sampled siblings (children of one node, in node order) were drawn from their
+            shared ``draft_probs`` row, which each of them carries: ``"iid"`` (independently: SpecInfer's
+            and SpecTr's drafts) or ``"without_replacement"`` (sibling ``j`` from q with siblings
+            ``0..j-1``'s tokens removed and renormalized, e.g. Gumbel-top-k: Recursive Speculative
+            Decoding's drafts). Only read when ``draft_probs`` is set; see :mod:`speculum.verify_rules`.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -73,6 +80,7 @@ class DraftTree:
     scores: list[float] | None = None
     tags: list | None = None
     prompts: PromptRows | None = None
+    siblings: str = "iid"
 
     def __post_init__(self):
         if len(self.tokens) != len(self.parents):
@@ -84,6 +92,8 @@ class DraftTree:
             raise ValueError("draft_probs needs one row per node")
         if self.scores is not None and len(self.scores) != len(self.tokens):
             raise ValueError("scores needs one entry per node")
+        if self.siblings not in SIBLING_DRAWS:
+            raise ValueError(f"siblings must be one of {SIBLING_DRAWS}, got {self.siblings!r}")
 
     @classmethod
     def chain(cls, tokens: list[int], draft_probs: torch.Tensor | None = None) -> DraftTree:
@@ -159,7 +169,7 @@ class DraftTree:
         scores = None if self.scores is None else [self.scores[i] for i in keep]
         tags = None if self.tags is None else [self.tags[i] for i in keep]
         prompts = None if self.prompts is None else self.prompts.kept(new_index)
-        return DraftTree([self.tokens[i] for i in keep], parents, probs, scores, tags, prompts)
+        return DraftTree([self.tokens[i] for i in keep], parents, probs, scores, tags, prompts, self.siblings)
 
     def with_probs(self, draft_probs: torch.Tensor | None) -> DraftTree:
         """This tree with other draft probabilities (everything else shared)."""

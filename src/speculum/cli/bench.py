@@ -7,7 +7,7 @@ from contextlib import nullcontext
 
 from ..errors import SpeculumError
 from ..methods import ENGINE_METHODS, METHODS
-from .common import add_model_args, load_for, sampling_params
+from .common import add_model_args, add_verify_args, load_for, sampling_params, verify_options
 
 DEFAULT_BENCH_METHODS = "hf,hf_pld,ar,ngram,suffix,auto"  # float weights: transformers' generate as the reference
 DEFAULT_STRUCTURED_METHODS = "hf,ar,ngram,auto"
@@ -68,6 +68,7 @@ def add_parser(sub) -> None:
                     help="other serving runs' output folders (e.g. vLLM's, benchmarks/vllm_serving.py) to put in "
                          "the same table and plot")
     add_model_args(b)
+    add_verify_args(b)
 
 
 def _settings(args) -> dict:
@@ -131,13 +132,23 @@ def run(args) -> int:
     model, tok, draft, draft_tok = load_for(args, methods)
     results, records = run_benchmark(model, tok, prompts, methods, args.max_new_tokens, sampling, args.chat,
                                      draft, draft_tok, seed=args.seed or 0, progress=not args.no_progress,
-                                     method_options={m: {"draft_head": args.draft_head} for m in methods
-                                                     if args.draft_head})
+                                     method_options=_method_options(args, methods))
     meta = bench_meta(model, _settings(args))
     out = write_outputs(args.out, results, records, meta)
     print(markdown_table({**meta, **results}))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'speedup.png'}")
     return 0
+
+
+def _method_options(args, methods: list[str]) -> dict[str, dict]:
+    """build_method's options per method: the draft head, and --verify / --judge for engine methods."""
+    verify = verify_options(args)
+    options: dict[str, dict] = {}
+    for m in methods:
+        options[m] = {"draft_head": args.draft_head} if args.draft_head else {}
+        if m in ENGINE_METHODS:
+            options[m].update(verify)
+    return options
 
 
 def only_tasks(prompts: list, tasks: str | None) -> list:

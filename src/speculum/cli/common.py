@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import SpeculumError
+
 
 def add_runner_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runner", choices=["auto", "native", "hf"], default="auto",
@@ -62,6 +64,34 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="subtract this from the logit of every token already in the output (OpenAI's, -2..2; "
                         "default 0 = off)")
+
+
+def add_verify_args(p: argparse.ArgumentParser) -> None:
+    """``--verify`` (the exact rule for sampled multi-draft trees) and ``--judge`` (lossy judge decoding)."""
+    from ..verify.rules import DEFAULT_RULE, VERIFY_RULES
+
+    g = p.add_argument_group("verification")
+    g.add_argument("--verify", default=DEFAULT_RULE, choices=list(VERIFY_RULES),
+                   help="exact rule for sampled trees with several drafts per node: specinfer (i.i.d. drafts, "
+                        "sequential rejection), rsd (Recursive Speculative Decoding: drafts without replacement), "
+                        "spectr (SpecTr's K-SEQ over i.i.d. drafts); greedy output is the same under all "
+                        "(default: %(default)s)")
+    g.add_argument("--judge", default=None, metavar="FILE",
+                   help="LOSSY judge decoding (Bachmann et al. 2025): a linear judge head (speculum.train.judge) "
+                        "also accepts drafted tokens the target did not choose; greedy output then differs "
+                        "from plain decoding's; off by default")
+    g.add_argument("--judge-threshold", type=float, default=None, metavar="P",
+                   help="accept a drafted token whose judge score exceeds P (default: the head's own)")
+
+
+def verify_options(args) -> dict:
+    """build_method's options for ``--verify`` / ``--judge``."""
+    options = {"verify": args.verify}
+    if args.judge is not None:
+        options.update(judge=args.judge, judge_threshold=args.judge_threshold)
+    elif args.judge_threshold is not None:
+        raise SpeculumError("--judge-threshold needs --judge")
+    return options
 
 
 HEAD_HELP = ("draft heads for the learned drafters, comma-separated, each used for its kind: head files from "

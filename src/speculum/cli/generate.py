@@ -7,7 +7,7 @@ import sys
 
 from ..errors import SpeculumError
 from ..methods import METHODS
-from .common import add_model_args, load_for, sampling_params
+from .common import add_model_args, add_verify_args, load_for, sampling_params, verify_options
 
 
 def add_parser(sub) -> None:
@@ -59,6 +59,7 @@ def add_parser(sub) -> None:
                           "e.g. snapkv:bits=8. Runs the kv_draft method in "
                           "place of --method")
     add_model_args(g)
+    add_verify_args(g)
 
 
 def _constraint(args):
@@ -109,7 +110,7 @@ def run(args) -> int:
         options = kv_draft_options(args.kv_draft)
         args.method = "kv_draft"
     model, tok, draft, draft_tok = load_for(args, [args.method], args.prompt)
-    method = build_method(args.method, model, tok, draft, draft_tok, kv_policy=policy, **options)
+    method = build_method(args.method, model, tok, draft, draft_tok, kv_policy=policy, **options, **verify_options(args))
     grammar = method.compile(spec, args.close_reserve) if spec is not None else None
     ids = encode_prompt(tok, args.prompt, args.chat)
     text = StreamingText(tok, args.stop)

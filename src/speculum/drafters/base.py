@@ -31,6 +31,11 @@ class Drafter(ABC):
     # tokens that end the request (its EOS ids), set by the engine before :meth:`reset`: nothing
     # drafted after one can be committed, so drafters that pay a forward per depth stop there
     end_ids: frozenset[int] = frozenset()
+    # how sampled siblings must be drawn (``"iid"`` or ``"without_replacement"``), set by the engine
+    # from the verification rule before :meth:`reset` (:mod:`speculum.verify.rules`): a drafter that
+    # samples several children of one node draws them so (``verify.rsd.gumbel_top_k`` draws without
+    # replacement) and marks its tree ``DraftTree(..., siblings=self.siblings)``
+    siblings: str = "iid"
 
     def reset(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
         """Start a new request. ``params`` and ``generator`` are the engine's (for sampled drafts)."""

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams
-from .tree import DraftTree
+from ..sampling import SamplingParams
+from ..tree import DraftTree
 
 
 @dataclass
@@ -101,15 +101,21 @@ class Verifier:
     """
 
     keyed = True  # sample point-mass trees by keyed inverse CDF (False: rejection sampling for all)
+    name = "specinfer"  # the rule's name (``--verify``); see :mod:`speculum.verify.rules`
+    siblings = "iid"  # how a sampled tree's siblings must be drawn for this rule (DraftTree.siblings)
+    lossy = False  # whether the rule may commit other text than plain decoding would (judge decoding)
+    hidden_layers: tuple[int, ...] = ()  # target hidden states the rule reads (accept's ``hidden``)
 
     def __init__(self, params: SamplingParams, generator: torch.Generator | None = None, key: int | None = None):
         self.params = params
         self.generator = generator
         self.key = key
 
-    def accept(self, tree: DraftTree, logits: torch.Tensor, position: int | None = None) -> Acceptance:
+    def accept(self, tree: DraftTree, logits: torch.Tensor, position: int | None = None,
+               hidden: dict[int, torch.Tensor] | None = None) -> Acceptance:
         """``logits``: ``[n + 1, V]`` target logits for ``[root] + tree.tokens``; ``position``: the
-        sequence position that row 0 predicts (the committed length), needed by keyed sampling."""
+        sequence position that row 0 predicts (the committed length), needed by keyed sampling;
+        ``hidden``: the forward's hidden states ``{layer: [n + 1, D]}`` of :attr:`hidden_layers`."""
         if self.params.greedy:
             return self.accept_greedy(tree, logits)
         if self.keyed and self.key is not None and position is not None and tree.draft_probs is None:
@@ -152,25 +158,38 @@ class Verifier:
             row, depth = match + 1, depth + 1
 
     def accept_sampled(self, tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+        self.check_siblings(tree)
         probs = self.params.probs(logits)  # [n + 1, V] float32
         kids = tree.children()
         path, row = [], 0
         while True:
-            p = probs[row]
-            accepted = None
-            for c in kids[row]:
-                x = tree.tokens[c]
-                q = self._draft_dist(tree, c, p)
-                ratio = (p[x] / q[x]).item()
-                if self._uniform() < ratio:
-                    accepted = c
-                    break
-                p = self.residual(p, q)
+            accepted, p = self.pick_child(tree, kids[row], probs[row])
             if accepted is None:
                 bonus = int(torch.multinomial(p, 1, generator=self.generator).item())
                 return Acceptance(path, [tree.tokens[i] for i in path] + [bonus])
             path.append(accepted)
             row = accepted + 1
+
+    def pick_child(self, tree: DraftTree, children: list[int], p: torch.Tensor) -> tuple[int | None, torch.Tensor]:
+        """SpecInfer's rule at one node (target ``p`` ``[V]``): the accepted child, or None and the
+        distribution ``[V]`` to sample the bonus token from (the residual after every rejection)."""
+        for c in children:
+            x = tree.tokens[c]
+            q = self._draft_dist(tree, c, p)
+            ratio = (p[x] / q[x]).item()
+            if self._uniform() < ratio:
+                return c, p
+            p = self.residual(p, q)
+        return None, p
+
+    def check_siblings(self, tree: DraftTree) -> None:
+        """Raise unless the tree's sampled siblings were drawn the way this rule is exact for
+        (:attr:`siblings`); a node with at most one child is a chain step, exact under every rule."""
+        if tree.draft_probs is None or tree.siblings == self.siblings:
+            return
+        if any(len(k) > 1 for k in tree.children()):
+            raise RuntimeError(f"{type(self).__name__} is exact for siblings drawn {self.siblings!r}, but the drafter "
+                               f"drew them {tree.siblings!r} (a drafter must draw as Drafter.siblings says)")
 
     @staticmethod
     def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
