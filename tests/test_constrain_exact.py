@@ -10,10 +10,11 @@ import math
 from collections import Counter
 
 import pytest
-import test_constrain as tc  # noqa: F401 (a module: its tests are not collected again here)
+import test_constrain as tc  # the module, so that its tests are not collected again here
 import torch
-from conftest import tiny_llama
+from conftest import tiny_gemma3, tiny_llama
 from scipy.stats import chisquare
+
 from speculum.constrain import ConstraintSpec, Grammar
 from speculum.constrain.asap import AsapTrie
 from speculum.constrain.awrs import awrs_sample, generate_particles, resample
@@ -82,7 +83,7 @@ def chi_square_p(counts: Counter, exact: dict) -> float:
 @pytest.fixture(scope="module")
 def setup():
     tok = tc.char_tokenizer()
-    model = tiny_llama(seed=0, vocab=8, logit_scale=4.0)
+    model = tiny_llama(seed=0, vocab=8, layers=1, logit_scale=4.0)
     exact = exact_distribution(model, Grammar(SPEC, tok, 8, [0]))
     return tok, model, exact
 
@@ -100,8 +101,8 @@ def samples(engine: Engine, grammar: Grammar, n: int, first_seed: int = 0) -> Co
 def test_masking_is_not_exact(setup):
     """The control: plain masking's outputs fail the test the exact methods pass."""
     tok, _, exact = setup
-    counts = samples(engine_for(setup), Grammar(SPEC, tok, 8, [0]), 600)
-    assert total_variation({k: v / 600 for k, v in counts.items()}, exact) > 0.3
+    counts = samples(engine_for(setup), Grammar(SPEC, tok, 8, [0]), 300)
+    assert total_variation({k: v / 300 for k, v in counts.items()}, exact) > 0.3
     assert chi_square_p(counts, exact) < 1e-6
 
 
@@ -112,8 +113,8 @@ def test_asap_converges_to_the_exact_distribution(setup, drafter):
     engine = engine_for(setup, AutoregressiveDrafter() if drafter == "ar" else tc.RandomDrafts(True, seed=1))
     first = samples(engine, grammar, 1)  # the first sample is plain masking's; the trie learns from it
     assert sum(first.values()) == 1
-    samples(engine, grammar, 150, first_seed=10_000)  # warm-up
-    counts = samples(engine, grammar, 1200, first_seed=20_000)
+    samples(engine, grammar, 60, first_seed=10_000)  # warm-up
+    counts = samples(engine, grammar, 500, first_seed=20_000)
     p = chi_square_p(counts, exact)
     assert p > 1e-3, f"ASAp ({drafter}) after warm-up does not follow the exact distribution (p={p:.2g})"
 
@@ -141,7 +142,7 @@ def test_awrs_step_is_properly_weighted():
     p = torch.tensor([0.35, 0.05, 0.25, 0.1, 0.15, 0.1])
     legal = {1, 3, 4}
     gen = torch.Generator().manual_seed(0)
-    n = 20_000
+    n = 8000
     sums, naive, sq = torch.zeros(6, dtype=torch.float64), 0.0, 0.0
     for _ in range(n):
         x, w = awrs_sample(p, legal.__contains__, gen, extra=2)
@@ -177,7 +178,7 @@ def test_awrs_weighted_particles_match_the_exact_distribution(setup, drafter):
     grammar = Grammar(SPEC, tok, 8, [0], sampling="awrs", particles=1)
     engine = engine_for(setup, AutoregressiveDrafter() if drafter == "ar" else tc.RandomDrafts(True, seed=2))
     weighted, unweighted = Counter(), Counter()
-    n = 1500
+    n = 600 if drafter == "ar" else 400
     for seed in range(n):
         run = generate_particles(engine, PROMPT, NEW, PARAMS, seed=seed, grammar=grammar, particles=1)
         y = tuple(run.result.tokens)
@@ -185,7 +186,7 @@ def test_awrs_weighted_particles_match_the_exact_distribution(setup, drafter):
         weighted[y] += math.exp(run.log_weights[0])
         unweighted[y] += 1
     total = sum(weighted.values())
-    assert total_variation({k: v / total for k, v in weighted.items()}, exact) < 0.06
+    assert total_variation({k: v / total for k, v in weighted.items()}, exact) < 0.1
     assert total_variation({k: v / n for k, v in unweighted.items()}, exact) > 0.3
 
 
@@ -193,16 +194,20 @@ def test_awrs_resampled_output_is_close_to_exact(setup):
     """Importance resampling among 8 particles (``Engine.generate``): far closer than masking."""
     tok, _, exact = setup
     grammar = Grammar(SPEC, tok, 8, [0], sampling="awrs", particles=8)
-    counts = samples(engine_for(setup), grammar, 250)
-    assert total_variation({k: v / 250 for k, v in counts.items()}, exact) < 0.12
+    counts = samples(engine_for(setup), grammar, 150)
+    assert total_variation({k: v / 150 for k, v in counts.items()}, exact) < 0.2
 
 
-def test_greedy_requests_mask_under_every_mode(setup):
-    tok, _, _ = setup
-    engine = engine_for(setup)
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_greedy_requests_mask_under_every_mode(setup, kind):
+    """ASAp and AWRS are sampling methods: a greedy request decodes as plain masking does."""
+    tok = setup[0]
+    model = setup[1] if kind == "llama" else tiny_gemma3(seed=1, vocab=8)
+    engine = Engine(HFRunner(model), AutoregressiveDrafter(), tok, eos_token_ids=[0])
     outs = {mode: engine.generate(PROMPT, NEW, grammar=Grammar(SPEC, tok, 8, [0], sampling=mode)).tokens
             for mode in ("mask", "asap", "awrs")}
     assert outs["asap"] == outs["mask"] == outs["awrs"]
+    assert tuple(outs["mask"]) in legal_outputs(Grammar(SPEC, tok, 8, [0])) or len(outs["mask"]) == NEW
 
 
 @pytest.mark.parametrize("kw, message", [

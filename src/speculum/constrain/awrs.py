@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -72,6 +72,8 @@ def awrs_sample(p: torch.Tensor, legal: Callable[[int], bool], generator: torch.
     Returns ``(token, w)``: a draw from ``p`` restricted to the legal tokens and an unbiased estimate
     of their mass (see the module docstring); ``(None, 0.0)`` when no token with ``p > 0`` is legal.
     """
+    if extra < 1:
+        raise ValueError("AWRS needs at least one draw after the sampled token to weigh it")
     probs = p.double().cpu()
     support = probs.nonzero()[:, 0]
     u = torch.rand(len(support), generator=generator, dtype=torch.float64, device="cpu").clamp_min(1e-300)
@@ -165,7 +167,10 @@ class Particles:
 
     @property
     def result(self):
-        return self.results[self.chosen]
+        """The chosen particle's output, with the time and forwards of all particles (what it cost)."""
+        return replace(self.results[self.chosen], time_s=sum(r.time_s for r in self.results),
+                       prefill_s=sum(r.prefill_s for r in self.results),
+                       forwards=sum(r.forwards for r in self.results))
 
 
 def particle_seed(seed: int, i: int) -> int:
