@@ -218,3 +218,28 @@ def test_greedy_requests_mask_under_every_mode(setup, kind):
 def test_bad_sampling_options_are_refused(setup, kw, message):
     with pytest.raises(SpeculumError, match=message):
         Grammar(SPEC, setup[0], 8, [0], **kw)
+
+
+@pytest.mark.slow
+def test_smollm2_sampled_outputs_match_the_grammar_under_every_mode(smollm2_f32):
+    """The packaged model (float32): ASAp and AWRS give grammatical outputs with speculation (ngram),
+    and a greedy request is the same under every mode."""
+    import re
+
+    from speculum.methods import build_method
+    from speculum.prompts import encode_prompt
+
+    model, tok = smollm2_f32
+    pattern = "(yes|no), because it is [a-z]{1,8}\\."
+    prompt = encode_prompt(tok, "Is the sky blue? Answer yes or no, and why.")
+    ar, ngram = build_method("ar", model, tok), build_method("ngram", model, tok)
+    greedy = {m: ar.run(prompt, 16, grammar=ar.compile(ConstraintSpec.regex(pattern), sampling=m)).tokens
+              for m in ("mask", "asap", "awrs")}
+    assert greedy["mask"] == greedy["asap"] == greedy["awrs"]
+    params = SamplingParams(temperature=0.8)
+    for mode, particles in (("asap", 1), ("awrs", 2)):
+        grammar = ngram.compile(ConstraintSpec.regex(pattern), sampling=mode, particles=particles)
+        for seed in range(2):
+            out = ngram.run(prompt, 16, params, seed=seed, grammar=grammar)
+            if out.finish_reason == "stop":
+                assert re.fullmatch(pattern, out.text), (mode, out.text)
