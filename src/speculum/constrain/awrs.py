@@ -46,6 +46,9 @@ properly weighted sample. :func:`generate_particles` runs ``N`` particles of a r
 other and resamples one at the end, proportional to its weight (importance resampling; no resampling
 mid-way: a particle's KV cache cannot be copied into another's). A particle that does not end in a
 complete output (the budget ran out) has weight zero; if all do, the first is returned.
+Only :meth:`~speculum.engine.Engine.generate` runs the particles: :meth:`~speculum.engine.Engine.stream`,
+batched stepping and the server decode one particle, which follows masking's distribution (its weight
+is ``guide.log_weight``).
 """
 
 from __future__ import annotations
