@@ -79,12 +79,14 @@ class Engine:
             eos_token_ids = default_eos_ids(self.runner, tokenizer)
         self.eos_ids = set(eos_token_ids)
 
-    def compile(self, spec, close_reserve: int = 0) -> Grammar:
+    def compile(self, spec, close_reserve: int = 0, sampling: str = "mask", particles: int = 8) -> Grammar:
         """Compile a :class:`~speculum.constrain.ConstraintSpec` for this engine's tokenizer and logits
-        (``close_reserve``: the budget closer, see :class:`~speculum.constrain.Grammar`)."""
+        (``close_reserve``: the budget closer; ``sampling``, ``particles``: how sampled requests meet
+        it; see :class:`~speculum.constrain.Grammar`)."""
         if self.tokenizer is None:
             raise SpeculumError("constrained decoding needs the engine's tokenizer")
-        return compile_constraint(spec, self.tokenizer, self.runner.vocab_size, self.eos_ids, close_reserve)
+        return compile_constraint(spec, self.tokenizer, self.runner.vocab_size, self.eos_ids, close_reserve,
+                                  sampling, particles)
 
     def stream(self, prompt_ids: Sequence[int], max_new_tokens: int = 128,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (), seed: int | None = None,
@@ -119,10 +121,11 @@ class Engine:
         prompt = [int(t) for t in prompt_ids]
         self._validate(prompt, max_new_tokens)
         generator = self._generator(sampling, seed)
-        verifier = self.verifier_cls(sampling, generator, key=self._sampling_key(generator, seed))
+        guide = guide_for(grammar, self.runner.vocab_size, sampling, generator, (tuple(prompt), id(self.runner)))
+        verifier = self.verifier_cls(guide.verifier_params(sampling), generator,
+                                     key=self._sampling_key(generator, seed))
         stops = Stops(self.tokenizer, self.eos_ids, stop, max_new_tokens, self.runner.max_length)
-        d = Decoding(self, prompt, max_new_tokens, verifier, guide_for(grammar, self.runner.vocab_size), stops,
-                     drafter or self.drafter, cache)
+        d = Decoding(self, prompt, max_new_tokens, verifier, guide, stops, drafter or self.drafter, cache)
         if prefill:
             d.prefill_some(len(prompt), query_start)
         return d
@@ -135,7 +138,19 @@ class Engine:
                  sampling: SamplingParams | None = None, stop: Sequence[str] = (), seed: int | None = None,
                  on_tokens: Callable[[list[int]], None] | None = None,
                  grammar: Grammar | None = None, query_start: int | None = None) -> GenerationResult:
-        """Run to a stop and return the result; ``on_tokens`` receives each committed chunk."""
+        """Run to a stop and return the result; ``on_tokens`` receives each committed chunk.
+
+        A sampled request under a grammar compiled with ``sampling="awrs"`` runs the grammar's
+        particles and returns the resampled one (:func:`~speculum.constrain.awrs.generate_particles`);
+        ``on_tokens`` then receives its tokens at the end."""
+        if grammar is not None and grammar.sampling == "awrs" and not (sampling or SamplingParams()).greedy:
+            from .constrain.awrs import generate_particles
+
+            out = generate_particles(self, prompt_ids, max_new_tokens, sampling, stop, seed, grammar,
+                                     grammar.particles).result
+            if on_tokens is not None and out.tokens:
+                on_tokens(list(out.tokens))
+            return out
         it = self.stream(prompt_ids, max_new_tokens, sampling, stop, seed, grammar, query_start)
         while True:
             try:

@@ -64,9 +64,9 @@ class EngineMethod:
             on_tokens: Callable[[list[int]], None] | None = None, grammar=None) -> GenerationResult:
         return self.engine.generate(prompt_ids, max_new_tokens, sampling, stop, seed, on_tokens, grammar)
 
-    def compile(self, spec, close_reserve: int = 0):
+    def compile(self, spec, close_reserve: int = 0, sampling: str = "mask", particles: int = 8):
         """A :class:`~speculum.constrain.Grammar` for ``spec`` (pass it to :meth:`run` as ``grammar``)."""
-        return self.engine.compile(spec, close_reserve)
+        return self.engine.compile(spec, close_reserve, sampling, particles)
 
 
 class HFMethod:
@@ -91,7 +91,10 @@ class HFMethod:
         if self._first_done is None:
             self._first_done = time.perf_counter()
 
-    def compile(self, spec, close_reserve: int = 0):
+    def compile(self, spec, close_reserve: int = 0, sampling: str = "mask", particles: int = 8):
+        if sampling != "mask":
+            raise SpeculumError(f"method {self.name!r} masks each step (a transformers logits processor): "
+                                f"constraint sampling {sampling!r} needs a speculum method (ar, auto, ...)")
         width = self.model.get_output_embeddings().weight.shape[0]
         return compile_constraint(spec, self.tokenizer, width, self.eos_ids, close_reserve)
 
@@ -231,7 +234,7 @@ class LlamaCppMethod:
         self._llm = llm
         return llm
 
-    def compile(self, spec, close_reserve: int = 0):
+    def compile(self, spec, close_reserve: int = 0, sampling: str = "mask", particles: int = 8):
         raise SpeculumError(f"method {self.name!r} takes no grammar: use a speculum method (ar, auto, ...)")
 
     def run(self, prompt_ids, max_new_tokens=128, sampling=None, stop=(), seed=None, on_tokens=None,

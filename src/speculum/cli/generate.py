@@ -40,6 +40,14 @@ def add_parser(sub) -> None:
                      help="the budget closer: each token among the last N of --max-new-tokens is kept only if "
                           "the grammar can still be completed in the budget after it; else the grammar's "
                           "shortest completion ends the output, valid (finish reason 'closed'; default: 0, off)")
+    con.add_argument("--constraint-sampling", choices=("mask", "asap", "awrs"), default="mask",
+                     help="how a sampled request (--temperature > 0) meets the constraint: mask (default: each "
+                          "step samples the model restricted to legal tokens, which skews whole outputs), asap "
+                          "(Grammar-Aligned Decoding: reweights by grammaticality learned over repeated samples "
+                          "of the same prompt, exact as they accumulate) or awrs (adaptive weighted rejection "
+                          "sampling over --particles runs, one resampled by its importance weight)")
+    con.add_argument("--particles", type=int, default=8,
+                     help="particles per request for --constraint-sampling awrs (default: 8)")
     kvg = g.add_argument_group("KV cache (long prompts)")
     kvg.add_argument("--kv-policy", default="full",
                      help="what the KV cache keeps and reads: full (default), streaming, h2o, keyformer, d2o, snapkv, "
@@ -100,6 +108,8 @@ def run(args) -> int:
     spec = _constraint(args)
     if args.close_reserve < 0 or (args.close_reserve and spec is None):
         raise SpeculumError("--close-reserve takes a token count >= 0, with a constraint (--json-schema, ...)")
+    if args.constraint_sampling != "mask" and spec is None:
+        raise SpeculumError("--constraint-sampling takes a constraint (--json-schema, --regex, ...)")
     policy = make_policy(args.kv_policy, args.kv_budget)
     options = {"draft_head": args.draft_head}
     if args.kv_draft is not None:
@@ -111,7 +121,8 @@ def run(args) -> int:
         args.method = "kv_draft"
     model, tok, draft, draft_tok = load_for(args, [args.method], args.prompt)
     method = build_method(args.method, model, tok, draft, draft_tok, kv_policy=policy, **options, **verify_options(args))
-    grammar = method.compile(spec, args.close_reserve) if spec is not None else None
+    grammar = method.compile(spec, args.close_reserve, args.constraint_sampling, args.particles) \
+        if spec is not None else None
     ids = encode_prompt(tok, args.prompt, args.chat)
     text = StreamingText(tok, args.stop)
 

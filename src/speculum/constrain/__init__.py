@@ -7,6 +7,9 @@
 - :mod:`.guide`: the one object the engine asks, per step, to shape the tree, mask the logits,
   close the output within its budget and advance on what was committed.
 - :mod:`.hf_processor`: the same constraint as a transformers ``LogitsProcessor`` (the baseline).
+- :mod:`.exact`, :mod:`.asap`, :mod:`.awrs`: sampled requests that follow the model's distribution
+  over whole outputs conditioned on the grammar instead of masking step by step
+  (``Grammar(..., sampling="asap" | "awrs")``).
 """
 
 from .guide import UNGUIDED, Guide, guide_for

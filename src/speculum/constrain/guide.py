@@ -23,6 +23,7 @@ import time
 import torch
 
 from ..errors import SpeculumError
+from ..sampling import SamplingParams
 from ..tree import DraftTree
 from .matcher import Grammar, graft_forced, mask_logits, restrict_draft_probs
 
@@ -35,6 +36,10 @@ class Unguided:
 
     def shape(self, tree: DraftTree, room: int) -> DraftTree:
         return tree
+
+    def verifier_params(self, params: SamplingParams) -> SamplingParams:
+        """The parameters the verifier samples :meth:`mask`'s rows with (the request's, here)."""
+        return params
 
     def bind(self, tree: DraftTree) -> DraftTree:
         return tree
@@ -103,6 +108,20 @@ class Guide(Unguided):
         self.matcher.commit(tokens)
 
 
-def guide_for(grammar: Grammar | None, width: int) -> Unguided:
-    """The request's guide: :class:`Guide` for a grammar, :data:`UNGUIDED` for None."""
-    return UNGUIDED if grammar is None else Guide(grammar, width)
+def guide_for(grammar: Grammar | None, width: int, params: SamplingParams | None = None,
+              generator: torch.Generator | None = None, key: tuple = ()) -> Unguided:
+    """The request's guide: :data:`UNGUIDED` for None; for a grammar, :class:`Guide` (masking), or for
+    a sampled request under the grammar's ``sampling`` ``"asap"`` / ``"awrs"`` their guides (``key``:
+    what identifies the request's distribution for ASAp's trie: prompt, parameters, model;
+    ``generator``: AWRS's random numbers)."""
+    if grammar is None:
+        return UNGUIDED
+    if params is None or params.greedy or grammar.sampling == "mask":
+        return Guide(grammar, width)
+    if grammar.sampling == "asap":
+        from .asap import AsapGuide, asap_trie
+
+        return AsapGuide(grammar, width, params, asap_trie(grammar, (key, params)))
+    from .awrs import AwrsGuide
+
+    return AwrsGuide(grammar, width, params, generator if generator is not None else torch.Generator())

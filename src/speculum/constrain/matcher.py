@@ -135,13 +135,29 @@ class Grammar:
             shortest-effort completion (:meth:`TokenMatcher._close`) ends the output, valid
             (finish reason ``"closed"``). The rule depends only on the grammar state and the
             model's greedy tokens, so every method closes an output at the same token.
+        sampling: how sampled requests meet the constraint: ``"mask"`` (default; each step samples
+            the model's distribution restricted to the legal tokens), ``"asap"``
+            (:mod:`~speculum.constrain.asap`) or ``"awrs"`` (:mod:`~speculum.constrain.awrs`), which
+            sample the model's distribution over whole outputs conditioned on the grammar. Greedy
+            requests always mask.
+        particles: AWRS's particles per request (importance resampling among them).
     """
 
-    def __init__(self, spec: ConstraintSpec, tokenizer, width: int, eos_ids: Sequence[int], close_reserve: int = 0):
+    def __init__(self, spec: ConstraintSpec, tokenizer, width: int, eos_ids: Sequence[int], close_reserve: int = 0,
+                 sampling: str = "mask", particles: int = 8):
         from llguidance import LLMatcher
+
+        from .exact import check_sampling_mode
 
         if close_reserve < 0:
             raise SpeculumError("close_reserve must be >= 0")
+        check_sampling_mode(sampling, particles)
+        if close_reserve and sampling != "mask":
+            raise SpeculumError(f"the budget closer replaces the model's tokens, which {sampling} cannot weigh: "
+                                "use close_reserve 0 with it")
+        self.sampling, self.particles = sampling, particles
+        self.lock = threading.Lock()
+        self.asap_tries: OrderedDict = OrderedDict()  # ASAp's tries (constrain/asap.py)
         self.spec, self.width = spec, width
         self.tokenizer_ref = _weak(tokenizer)
         self.eos_ids = sorted(eos_ids)
@@ -168,18 +184,18 @@ _COMPILED_LOCK = threading.Lock()
 
 
 def compile_constraint(spec: ConstraintSpec, tokenizer, width: int, eos_ids: Sequence[int],
-                       close_reserve: int = 0) -> Grammar:
+                       close_reserve: int = 0, sampling: str = "mask", particles: int = 8) -> Grammar:
     """The :class:`Grammar` for ``spec`` (every caller compiles through here): built once per spec,
     tokenizer, logits width, EOS ids and ``close_reserve``, and kept for the last
     :data:`GRAMMAR_CACHE` distinct ones (a server sees the same schema again and again)."""
     key = (json.dumps([spec.kind, spec.value], sort_keys=True, default=list), id(tokenizer), width,
-           tuple(sorted(eos_ids)), close_reserve)
+           tuple(sorted(eos_ids)), close_reserve, sampling, particles)
     with _COMPILED_LOCK:
         grammar = _COMPILED.get(key)
         if grammar is not None and grammar.tokenizer_ref() is tokenizer:
             _COMPILED.move_to_end(key)
             return grammar
-    grammar = Grammar(spec, tokenizer, width, eos_ids, close_reserve)
+    grammar = Grammar(spec, tokenizer, width, eos_ids, close_reserve, sampling, particles)
     with _COMPILED_LOCK:
         _COMPILED[key] = grammar
         while len(_COMPILED) > GRAMMAR_CACHE:
