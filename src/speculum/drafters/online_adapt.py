@@ -234,8 +234,11 @@ class OnlineAdaptDrafter(Drafter):
     def fork(self) -> OnlineAdaptDrafter:
         other = copy.copy(self)
         other.inner = self.inner.fork()
+        other.feats, other.dists = {}, {}  # its request's own
         return other
 
     def finish(self, tokens: list[int]) -> None:
         self.inner.finish(tokens)
+        if getattr(self, "feats", None):  # (a request that started)
+            self._harvest(tokens)  # the last step's labels: committed tokens (no update call gave their rows)
         self.feats, self.dists = {}, {}

@@ -117,7 +117,7 @@ def backprop_step(objective: Objective, optimizer: torch.optim.Optimizer) -> flo
     if loss.requires_grad:
         loss.backward()
         optimizer.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 @torch.no_grad()
