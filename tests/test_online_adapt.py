@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from conftest import TINY_VOCAB, batched_join_midway, committed_per_step, random_head, tiny_gemma3, tiny_llama
-from test_sampling import PARAMS, PROMPT, VOCAB, chi2_pvalue, exact_joint, sample_pairs
+from test_sampling import VOCAB, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.drafters import DRAFTERS
 from speculum.drafters.online_adapt import OnlineAdaptDrafter
@@ -213,7 +213,7 @@ def test_zeroth_order_step_restores_and_descends():
 
     def run(lr, steps=20):
         theta = [torch.zeros(50)]
-        loss = lambda: ((theta[0] - target) ** 2).sum()  # noqa: E731
+        loss = lambda: ((theta[0] - target) ** 2).sum()
         losses = [float(loss())]
         for s in range(steps):
             zeroth_order_step(loss, theta, lr, 1e-3, seed=s)
