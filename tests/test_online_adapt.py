@@ -80,6 +80,19 @@ def test_batched_forks_share_one_learning_head(tmp_path):
     assert drafter.stats.updates > 10
 
 
+def test_the_head_learns_in_inference_mode(tmp_path):
+    """The server's scheduler steps under ``torch.inference_mode``: the head learns there too."""
+    model = tiny_llama()
+    path = random_head(model, tmp_path / "h.safetensors", kind="hydra")
+    runner = NativeRunner(model)
+    drafter = online(model, path, "hydra_online", every=1)
+    before = weights(drafter)
+    with torch.inference_mode():
+        got = Method(runner, drafter).run(prompts(2, n=1)[0], 30).tokens
+    assert got == build_method("ar", model, None, runner=runner).run(prompts(2, n=1)[0], 30).tokens
+    assert drafter.stats.updates > 5 and not torch.equal(weights(drafter), before)
+
+
 def test_the_loaded_head_is_not_changed(tmp_path):
     """The loaded head is shared by every method of the target: the online drafter learns a copy."""
     model = tiny_llama()

@@ -81,11 +81,10 @@ class SharedHead:
 
     def __init__(self, drafting: torch.nn.Module, tables: TargetTables, vocab_size: int, update: str,
                  buffer: int, lr: float, eps: float, seed: int):
-        kind = type(drafting)
         self.drafting = drafting
-        self.master = kind(drafting.config).float()
+        self.master = type(drafting)(drafting.config).float()
         self.master.load_state_dict({k: v.float() for k, v in drafting.state_dict().items()})
-        self.params = [p for p in self.master.parameters()]
+        self.params = list(self.master.parameters())
         self.tables = tables  # float32, the draft vocabulary's rows: gradients flow through them
         self.columns = torch.full((vocab_size,), -1, dtype=torch.int64)  # [V] token id -> draft column
         if tables.vocab is None:
@@ -199,14 +198,15 @@ class OnlineAdaptDrafter(Drafter):
         kept = [0] + [i + 1 for i in acceptance.path]  # the rows that verified the committed tokens
         start = len(tokens) - len(acceptance.tokens)
         if tokens[start:] == acceptance.tokens:  # (a constraint that forced other tokens: hard labels only)
-            top = torch.log_softmax(logits[kept].float(), -1).topk(self.top_r, -1)
+            top = torch.log_softmax(logits[kept].float(), -1).topk(min(self.top_r, logits.shape[-1]), -1)
             for i in range(len(kept)):
                 self.dists[start + i] = (top.indices[i], top.values[i].exp())
         self._harvest(tokens)
         shared = self.shared
         shared.steps += 1
         if shared.steps % self.every == 0 and len(shared.buffer):
-            with torch.enable_grad():
+            # (the server's scheduler steps in inference mode: tensors made there cannot be learned from)
+            with torch.inference_mode(False), torch.enable_grad():
                 shared.learn(shared.buffer.sample(self.batch), self.misses_only)
 
     def _harvest(self, tokens: list[int]) -> None:

@@ -66,7 +66,8 @@ class ReplayBuffer:
         n = len(self.rows)
         pick = torch.randperm(n, generator=self.generator)[:size].tolist() if n > size else range(n)
         rows = [self.rows[i] for i in pick]
-        return Batch(*(torch.stack(column) for column in zip(*rows, strict=True)))
+        with torch.inference_mode(False):  # (rows recorded in inference mode: normal tensors to learn from)
+            return Batch(*(torch.stack(column) for column in zip(*rows, strict=True)))
 
 
 def head_logits(head: torch.nn.Module, tables: TargetTables, batch: Batch) -> torch.Tensor:
