@@ -30,13 +30,15 @@ is moved towards it, and next time it reads a feature like ``f(the)`` it is like
 
 State: the head, its master copy, the optimiser and the buffer belong to the drafter and are
 shared by its :meth:`fork` s (every request of a server teaches one head); a request's pending
-positions are its own. Memory is bounded by ``buffer`` positions (``D + 3 K r`` numbers each) and
+positions are its own. Memory is bounded by ``buffer`` positions (about ``D + 2 K r`` numbers each) and
 an update's time by ``batch`` positions (``B x K`` rows through the trimmed LM head, twice).
 
 Departures from the paper: the paper distils a whole draft model and updates it when its buffer
 fills (then empties it); here the head updates every ``every`` steps from a rolling buffer, so a
-server's head follows its recent traffic at a bounded cost per step. The default rule is backprop
-(the paper's); ``zo`` is speculum's forward-only alternative for a CPU.
+server's head follows its recent traffic at a bounded cost per step; each distribution is kept as
+its top ``r = 8`` tokens rather than whole (``[V]`` per position would make the buffer hundreds of
+megabytes). The default rule is backprop (the paper's); ``zo`` is speculum's forward-only
+alternative for a CPU.
 """
 
 from __future__ import annotations
