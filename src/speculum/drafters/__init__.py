@@ -28,6 +28,7 @@ from .lookahead import LookaheadDrafter
 from .medusa import MedusaDrafter
 from .mix import MixDrafter
 from .ngram import NgramDrafter
+from .online_adapt import OnlineAdaptDrafter
 from .ppd import PPDDrafter
 from .quant_self import QuantSelfDrafter
 from .recycling import RecyclingDrafter
@@ -120,6 +121,13 @@ DRAFTERS: dict[str, DrafterEntry] = {
     **{name: learned_entry(kind) for name, kind in LEARNED.items()},  # eagle, medusa, hydra, clover, kangaroo, ppd
     "eagle_fullvocab": DrafterEntry(partial(EagleDrafter, full_vocab=True), "eagle drafting through the target's "
                                     "whole LM head (against its trimmed draft vocabulary)", scored=True, needs_target=True),
+    "medusa_online": DrafterEntry(partial(OnlineAdaptDrafter, kind="medusa"), "medusa whose heads keep learning "
+                                  "from the target's verified outputs while serving (Online Speculative Decoding)",
+                                  scored=True, needs_target=True),
+    "medusa_online_zo": DrafterEntry(partial(OnlineAdaptDrafter, kind="medusa", update="zo"), "medusa_online "
+                                     "with forward-only (SPSA / MeZO) updates", scored=True, needs_target=True),
+    "hydra_online": DrafterEntry(partial(OnlineAdaptDrafter, kind="hydra"), "hydra whose heads keep learning "
+                                 "from the target's verified outputs while serving", scored=True, needs_target=True),
     "swift": DrafterEntry(SwiftDrafter, "the target with layers skipped drafts chains, the skipped set searched "
                           "on the fly (SWIFT)", scored=True, needs_target=True),
     "del": DrafterEntry(DelDrafter, "the target's first layers and its LM head draft chains, exit layer and "
@@ -161,6 +169,7 @@ __all__ = [
     "MedusaDrafter",
     "MixDrafter",
     "NgramDrafter",
+    "OnlineAdaptDrafter",
     "PPDDrafter",
     "QuantSelfDrafter",
     "RecyclingDrafter",
