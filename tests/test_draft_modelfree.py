@@ -221,7 +221,8 @@ def _top_in_order(k: int) -> list:
 
 
 def _pvalue(counts: Counter, n: int) -> float:
-    return chisquare([counts[t] for t in range(VOCAB)], (P_TARGET * n).tolist()).pvalue
+    expected = P_TARGET.double() / P_TARGET.double().sum() * n
+    return chisquare([counts[t] for t in range(VOCAB)], expected.tolist()).pvalue
 
 
 EXACT = {"conditional_q": True, "point_mass_claimed": True, "unconditional_q": False, "argmax_drafts_claiming_q": False}
@@ -238,7 +239,7 @@ def test_gumbel_siblings_verified_exactly_only_with_conditional_q(variant):
             "unconditional_q": lambda rng: _siblings(rng, conditional=False),
             "point_mass_claimed": lambda rng: _siblings(rng, claim_q=False),
             "argmax_drafts_claiming_q": lambda rng: _siblings(rng, sample=False)}[variant]
-    n = 20000
+    n = 4000  # broken variants reach p < 1e-50 at 3000 draws
     p = _pvalue(_first_tokens(verifier, make, n, seed=3), n)
     if EXACT[variant]:
         assert p > 1e-3, f"{variant}: chi-square p = {p:.2e}"
@@ -289,7 +290,7 @@ def test_stand_sampling_keeps_the_target_distribution(sampling_model, drafter):
     """Two generated tokens through the engine: their joint distribution is the target's."""
     stand = StandDrafter(widths=(3, 2)) if drafter == "learning" else _frozen_stand()
     engine = Engine(NativeRunner(sampling_model), stand, eos_token_ids=[])
-    n = 2500  # (the direct test above shows the power of the check on broken variants)
+    n = 1500  # (the direct test above shows the power of the check on broken variants)
     counts = Counter(tuple(engine.generate(PROMPT, 2, PARAMS, seed=9000 + i).tokens) for i in range(n))
     p = chi2_pvalue(counts, exact_joint(sampling_model), n)
     assert p > 1e-3, f"{drafter}: chi-square p = {p:.2e}"
