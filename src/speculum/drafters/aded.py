@@ -25,7 +25,11 @@ available while writing this):
 - a node is expanded over its ``top_k`` most frequent continuations only (the matrix's row,
   truncated), and the tree is at most ``max_depth`` deep;
 - the value of a new node is its path probability (the product of ``P`` along the path), which is
-  also its score in the tree.
+  also its score in the tree;
+- defaults (``c_puct = 1``, ``top_k = 8``, ``max_depth = 8``, 32 nodes per step from the registry) are
+  speculum's, not taken from the paper: a 2-core CPU pays for every verified row, so the tree is
+  kept to a few dozen nodes. The tree is not sized by the engine's cost model (its path
+  probabilities are not calibrated acceptance rates).
 
 Example: the text ``a b c a b d a b c a b`` (the root's context is ``a b``) gives
 ``P(c | a, b) = 2/3``, ``P(d | a, b) = 1/3`` and ``P(a | b, c) = P(b | c, a) = 1``. Iteration 1 adds ``c``
