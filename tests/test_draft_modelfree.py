@@ -17,6 +17,7 @@ from scipy.stats import chisquare
 from test_lossless_tiny import NEW, _prompts
 from test_sampling import PARAMS, PROMPT, VOCAB, chi2_pvalue, exact_joint
 
+from speculum.batching import Batcher, BatchRequest
 from speculum.drafters import DRAFTERS
 from speculum.drafters.aded import AdedDrafter
 from speculum.drafters.ar import AutoregressiveDrafter
@@ -44,6 +45,23 @@ def test_greedy_equals_ar(tiny_model, name):
         drafted += sum(s.drafted for s in out.steps)
         accepted += sum(s.accepted for s in out.steps)
     assert drafted > 0 and accepted > 0
+
+
+def test_batched_greedy_equals_ar():
+    """aded and stand requests share batches (forks share the cross-request tables) and each gives
+    ``ar``'s output, as requests join and leave."""
+    model = tiny_llama(seed=1)
+    runner = NativeRunner(model)
+    ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
+    engines = [Engine(runner, DRAFTERS[name].factory(), eos_token_ids=[], max_tree=12) for name in ("aded", "stand")]
+    prompts = _prompts(8, 5)
+    reqs, want = [], []
+    for i, p in enumerate(prompts):
+        n = 10 + 3 * i
+        want.append(ar.generate(p, n).tokens)
+        reqs.append(BatchRequest(engines[i % 2], p, n))
+    got = [r.tokens for r in Batcher(runner, max_batch=3).run(reqs)]
+    assert got == want
 
 
 def test_bad_options_raise_value_error():
