@@ -189,6 +189,8 @@ def test_stand_sampled_tree_carries_conditional_q():
     assert tree.draft_probs[kids[1], first] == 0
     assert tree.draft_probs[kids[1], second] == pytest.approx(q0[second] / left, abs=1e-6)
     assert torch.allclose(tree.draft_probs.sum(-1), torch.ones(len(tree)))
+    again = drafter.propose([CAT, SAT], 8)  # the rows are rewritten in place: nothing of the last tree stays
+    assert again.tokens[0] in (ON, DOWN) and torch.allclose(again.draft_probs.sum(-1), torch.ones(len(again)))
 
 
 def test_gumbel_top_k_samples_without_replacement():

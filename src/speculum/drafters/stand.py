@@ -93,6 +93,8 @@ class StandDrafter(Drafter):
 
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
+        self._buffer: torch.Tensor | None = None  # [rows, V] this request's draft_probs (see _dense)
+        self._written: tuple[torch.Tensor, torch.Tensor] | None = None
         prompt = list(prompt_ids)
         for i in range(1, len(prompt)):
             self._store(prompt[:i], {prompt[i]: 1.0})
@@ -181,13 +183,18 @@ class StandDrafter(Drafter):
         return DraftTree(out, parents, draft_probs)
 
     def _dense(self, qs: list[Dist]) -> torch.Tensor:
-        """``[n, V]`` float32 rows of the sparse distributions ``qs``."""
-        rows = [i for i, q in enumerate(qs) for _ in q]
-        cols = [t for q in qs for t, _ in q]
-        vals = [p for q in qs for _, p in q]
-        dense = torch.zeros(len(qs), self.vocab)
-        dense[rows, cols] = torch.tensor(vals)
-        return dense
+        """``[n, V]`` float32 rows of the sparse distributions ``qs``: a view of this request's buffer
+        (a fresh ``[n, V]`` allocation costs more than the drafting itself), valid until the next
+        :meth:`propose`, by which time the step that verified it is over."""
+        rows = torch.tensor([i for i, q in enumerate(qs) for _ in q])
+        cols = torch.tensor([t for q in qs for t, _ in q])
+        if self._buffer is None or self._buffer.shape[0] < len(qs) or self._buffer.shape[1] != self.vocab:
+            self._buffer = torch.zeros(max(len(qs), 32), self.vocab)
+        else:
+            self._buffer[self._written] = 0.0  # clear the last tree's entries only
+        self._buffer[rows, cols] = torch.tensor([p for q in qs for _, p in q])
+        self._written = (rows, cols)
+        return self._buffer[:len(qs)]
 
 
 def gumbel_top_k(dist: Dist, k: int, rng: random.Random) -> list[tuple[int, float, Dist]]:
