@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from ..heads import LEARNED, LearnedKind, find_head, pick_head
+from .aded import AdedDrafter
 from .ar import AutoregressiveDrafter
 from .arm_memory import ArmMemory, arm_name
 from .auto import AutoDrafter
@@ -32,6 +33,7 @@ from .online_adapt import OnlineAdaptDrafter
 from .ppd import PPDDrafter
 from .quant_self import QuantSelfDrafter
 from .recycling import RecyclingDrafter
+from .stand import StandDrafter
 from .suffix import SuffixDrafter
 from .suffix_merged import SuffixMergedDrafter
 from .swift import SwiftDrafter
@@ -108,6 +110,10 @@ DRAFTERS: dict[str, DrafterEntry] = {
                               max_tree=80),
     "recycling_scored": DrafterEntry(partial(RecyclingDrafter, tree="scored", pair_context=True),
                                      "speculum's Token Recycling: best-first tree, token-pair table", scored=True),
+    "aded": DrafterEntry(AdedDrafter, "ADED: an adaptive tri-gram matrix of the text drafted by Monte-Carlo tree "
+                         "search (model-free)", max_tree=32),
+    "stand": DrafterEntry(StandDrafter, "STAND: n-grams that keep the target's distributions; sampled drafts "
+                          "carry q, siblings by Gumbel-top-k (model-free)", max_tree=24),
     "mix": DrafterEntry(_mix, "suffix_merged and recycling_scored candidates in one tree", scored=True),
     "auto": DrafterEntry(_auto, "a bandit over mix / ngram / the learned drafters / none by measured tokens per second",
                          scored=True, needs_target=True, remembers_arms=True),
@@ -155,6 +161,7 @@ def register_learned(name: str, kind: LearnedKind) -> None:
 
 __all__ = [
     "DRAFTERS",
+    "AdedDrafter",
     "AutoDrafter",
     "AutoregressiveDrafter",
     "DelDrafter",
@@ -173,6 +180,7 @@ __all__ = [
     "PPDDrafter",
     "QuantSelfDrafter",
     "RecyclingDrafter",
+    "StandDrafter",
     "SuffixDrafter",
     "SuffixMergedDrafter",
     "SwiftDrafter",

@@ -14,9 +14,12 @@ node ``i``.
   child is tried. When no child is accepted the bonus token is sampled from the (residual) p.
   A deterministic drafter has ``q`` = a point mass on its token, so acceptance is ``p(x)`` and
   the residual is p with x removed. For a chain this is exactly Leviathan/Chen's rule; the
-  committed tokens are distributed exactly as plain sampling from p.
+  committed tokens are distributed exactly as plain sampling from p. Row ``i`` of ``draft_probs``
+  must be the distribution node ``i`` was drawn from given its earlier siblings: q itself for
+  i.i.d. siblings, q without the earlier siblings (renormalized) for siblings drawn without
+  replacement, which makes this loop Recursive Speculative Decoding's (Jeon et al. 2024; ``stand``).
 - Keyed sampling (the default for sampled requests whose drafts are point masses, i.e. every
-  model-free drafter): the token at sequence position ``t`` is p_t's inverse CDF at ``u_t``, a
+  model-free drafter but ``stand``): the token at sequence position ``t`` is p_t's inverse CDF at ``u_t``, a
   uniform number that is a hash of ``(key, t)`` (the key is the request's seed). That is exactly a
   sample from p_t, like Gumbel-max with noise keyed by ``(key, t)`` but with one number per
   position instead of ``V``. Verification is the greedy walk on those samples. A drafted token x
