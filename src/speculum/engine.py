@@ -119,7 +119,9 @@ class Engine:
         prompt = [int(t) for t in prompt_ids]
         self._validate(prompt, max_new_tokens)
         generator = self._generator(sampling, seed)
-        verifier = self.verifier_cls(sampling, generator, key=self._sampling_key(generator, seed))
+        # a drafter whose method changes the acceptance rule (BiLD's lossy rollback) names it
+        rule = getattr(drafter or self.drafter, "verifier_cls", None) or self.verifier_cls
+        verifier = rule(sampling, generator, key=self._sampling_key(generator, seed))
         stops = Stops(self.tokenizer, self.eos_ids, stop, max_new_tokens, self.runner.max_length)
         d = Decoding(self, prompt, max_new_tokens, verifier, guide_for(grammar, self.runner.vocab_size), stops,
                      drafter or self.drafter, cache)

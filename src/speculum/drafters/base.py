@@ -31,6 +31,9 @@ class Drafter(ABC):
     # tokens that end the request (its EOS ids), set by the engine before :meth:`reset`: nothing
     # drafted after one can be committed, so drafters that pay a forward per depth stop there
     end_ids: frozenset[int] = frozenset()
+    # the acceptance rule this drafter's method needs in place of the engine's (a Verifier class or
+    # factory with its arguments): only BiLD's opt-in lossy rollback; None keeps the exact rule
+    verifier_cls = None
 
     def reset(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
         """Start a new request. ``params`` and ``generator`` are the engine's (for sampled drafts)."""
