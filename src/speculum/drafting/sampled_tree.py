@@ -14,13 +14,19 @@ carries no scores (the engine's tree sizer, which keeps the best-scoring nodes, 
 keeping a sampled token because it is likely biases what is verified). Which nodes get children
 *may* depend on their own token (that only shapes what happens after they are accepted).
 
-Growth, depth by depth: the root gets ``width`` distinct children; each further depth expands the
-``width`` nodes of the last depth with the highest path probability (the product of their
-draft probabilities), each getting ``width`` distinct children, until ``depth`` depths or
-``max_nodes`` nodes.
+Growth, depth by depth: the root gets ``width`` distinct children; each further depth expands
+``width`` nodes of the last depth, each getting ``width`` distinct children, until ``depth`` depths
+or ``max_nodes`` nodes (where ``max_nodes`` is short of ``width`` per depth, ``width`` shrinks to
+``max_nodes // depth``: depth pays before width). Which nodes: those with the fewest *detours* (a node drawn after a sibling
+is one more than its parent), then the highest path probability (the product of their draft
+probabilities). The verifier tries siblings in the order they were drawn and the first is accepted
+with probability ``sum_x min(p, q)``, a later one only after every earlier one was rejected; so the
+path of first-drawn children, which is exactly the sampled chain, is always grown to full depth
+and the tree accepts at least what that chain would.
 
 Example (``width=2``): root q = {cat: .6, dog: .3, a: .1}; draw "cat" from q, then "dog" from
-{dog: .75, a: .25}; rows [q, q without cat]. Expanding both draws two children of each.
+{dog: .75, a: .25}; rows [q, q without cat]. Expanding both draws two children of each; the next
+depth expands cat's first child (no detour) and the likelier of cat's second and dog's first.
 
 Shapes: ``V`` vocabulary, ``n`` drafted nodes, ``m`` nodes expanded by one call.
 """
@@ -60,10 +66,12 @@ def grow_sampled_tree(root_q: torch.Tensor, depth: int, width: int, max_nodes: i
     ``root_q`` ``[V]``. ``expand(tokens, parents, frontier) -> [m, V]``: the drafter's distributions
     after each frontier node, given the tree made so far. Nodes whose token is one of ``ends`` get
     no children."""
+    width = min(width, max(1, max_nodes // max(depth, 1)))  # a small budget: deep before wide
     tokens: list[int] = []
     parents: list[int] = []
     rows: list[torch.Tensor] = []
     path_prob: list[float] = []
+    detours: list[int] = []  # [n] how many of a node's path's nodes were not their parent's first draw
     frontier, dists = [-1], root_q.unsqueeze(0)
     for level in range(depth):
         made: list[int] = []
@@ -71,15 +79,17 @@ def grow_sampled_tree(root_q: torch.Tensor, depth: int, width: int, max_nodes: i
             room = max_nodes - len(tokens)
             drawn, drawn_rows = draw_distinct(q, min(width, room), generator)
             base = path_prob[node] if node >= 0 else 1.0
-            for tok, row in zip(drawn, drawn_rows):
+            before = detours[node] if node >= 0 else 0
+            for rank, (tok, row) in enumerate(zip(drawn, drawn_rows)):
                 made.append(len(tokens))
                 tokens.append(tok)
                 parents.append(node)
                 rows.append(row)
                 path_prob.append(base * float(q[tok]))
+                detours.append(before + (rank > 0))
         if level + 1 == depth or len(tokens) >= max_nodes:
             break
-        best = sorted(made, key=lambda i: -path_prob[i])[:width]
+        best = sorted(made, key=lambda i: (detours[i], -path_prob[i]))[:width]
         frontier = [i for i in best if tokens[i] not in ends]
         if not frontier:
             break
