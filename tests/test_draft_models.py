@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 from conftest import TINY_VOCAB, tiny_llama
-from test_sampling import PARAMS, PROMPT, VOCAB, chi2_pvalue, exact_joint, sample_pairs
+from test_sampling import VOCAB, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.drafters import DRAFTERS
 from speculum.drafters.ar import AutoregressiveDrafter
@@ -25,7 +25,12 @@ from speculum.drafting import sampled_tree
 from speculum.drafting.sampled_tree import draw_distinct
 from speculum.engine import Engine
 from speculum.errors import SpeculumError
-from speculum.heads.acceptance import AcceptanceConfig, AcceptanceHead, load_acceptance_head, save_acceptance_head
+from speculum.heads.acceptance import (
+    AcceptanceConfig,
+    AcceptanceHead,
+    load_acceptance_head,
+    save_acceptance_head,
+)
 from speculum.runners import NativeRunner
 from speculum.sampling import SamplingParams
 from speculum.train.acceptance import acceptance_labels, collect_pairs, train_head, weighted_bce
@@ -267,7 +272,7 @@ class TopTokensAsSamples:
         self.real = sampled_tree.draw_distinct
 
         def broken(q, count, generator):
-            tokens, rows = self.real(q, count, generator)
+            tokens, _ = self.real(q, count, generator)
             top = q.topk(len(tokens)).indices.tolist()
             fixed, rest = [], q.float().clone()
             for tok in top:
@@ -312,3 +317,23 @@ def test_sampled_tree_accepts_more_than_a_sampled_chain():
         outs = [engine.generate(p, 64, params, seed=i) for i, p in enumerate(_prompts(6, 6))]
         rates.append(sum(sum(s.accepted for s in o.steps) for o in outs) / sum(len(o.steps) for o in outs))
     assert rates[1] > rates[0]
+
+
+@pytest.mark.slow
+def test_packaged_smollm2_with_its_int4_copy_as_draft(smollm2_f32):
+    """SmolLM2 (float32) with its int4 copy drafting: bild, specdecpp and the sampled tree's greedy
+    twin (draft_model_tree) give plain decoding's tokens on a real prompt."""
+    import speculum
+    from speculum.prompts import encode_prompt
+
+    model, tok = smollm2_f32
+    draft, _ = speculum.load("default", dtype="float32", tokenizer=tok, weights="int4")
+    ids = encode_prompt(tok, "Explain in two sentences why the sky is blue.")
+    runner = NativeRunner(model)
+    want = Engine(runner, AutoregressiveDrafter(), tok).generate(ids, 24).tokens
+    hidden = model.config.hidden_size
+    for drafter in (BiLDDrafter(draft), SpecDecPPDrafter(draft, head=constant_head(hidden, 0.9)),
+                    DraftModelDrafter(draft, top_k=3, num_draft=4)):
+        out = Engine(runner, drafter, tok).generate(ids, 24)
+        assert out.tokens == want, drafter.name
+        assert out.mean_accepted > 1.5, drafter.name
