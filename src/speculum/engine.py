@@ -122,8 +122,9 @@ class Engine:
         self._validate(prompt, max_new_tokens)
         generator = self._generator(sampling, seed)
         guide = guide_for(grammar, self.runner.vocab_size, sampling, generator, (tuple(prompt), id(self.runner)))
-        verifier = self.verifier_cls(guide.verifier_params(sampling), generator,
-                                     key=self._sampling_key(generator, seed))
+        # a drafter whose method changes the acceptance rule (BiLD's lossy rollback) names it
+        rule = getattr(drafter or self.drafter, "verifier_cls", None) or self.verifier_cls
+        verifier = rule(guide.verifier_params(sampling), generator, key=self._sampling_key(generator, seed))
         stops = Stops(self.tokenizer, self.eos_ids, stop, max_new_tokens, self.runner.max_length)
         d = Decoding(self, prompt, max_new_tokens, verifier, guide, stops, drafter or self.drafter, cache)
         if prefill:

@@ -364,6 +364,8 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
     if entry.needs_draft_model:
         options["draft_model"] = draft_model
     draft_head = options.pop("draft_head", None)
+    if entry.reads_head and draft_head is not None:
+        options["draft_head"] = draft_head
     if entry.needs_target:
         options["target"], options["draft_head"] = model, draft_head
     if entry.remembers_arms:

@@ -20,6 +20,7 @@ from .arm_memory import ArmMemory, arm_name
 from .auto import AutoDrafter
 from .base import Drafter
 from .del_exit import DelDrafter
+from .bild import BiLDDrafter
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
 from .hydra import HydraDrafter
@@ -34,6 +35,7 @@ from .ppd import PPDDrafter
 from .quant_self import QuantSelfDrafter
 from .recycling import RecyclingDrafter
 from .stand import StandDrafter
+from .specdecpp import SpecDecPPDrafter
 from .suffix import SuffixDrafter
 from .suffix_merged import SuffixMergedDrafter
 from .swift import SwiftDrafter
@@ -49,7 +51,8 @@ class DrafterEntry:
     ``scored``: its trees carry acceptance scores, so the engine sizes them to the hardware's cost
     curve (:class:`~speculum.tree_sizing.TreeSizer`); ``max_tree``: the engine's budget of drafted
     nodes per step; ``remembers_arms``: it takes ``memory_key=``, the runner's calibration key, under
-    which it remembers the arms that did not pay (:mod:`~speculum.drafters.arm_memory`).
+    which it remembers the arms that did not pay (:mod:`~speculum.drafters.arm_memory`);
+    ``reads_head``: it takes ``draft_head=`` (the ``--draft-head`` files) without the target.
     """
 
     factory: Callable[..., Drafter]
@@ -59,6 +62,7 @@ class DrafterEntry:
     needs_target: bool = False
     max_tree: int = 64
     remembers_arms: bool = False
+    reads_head: bool = False
 
 
 # the self-drafters ``auto_self`` adds as arms (swift is left out: its layer search costs steps and
@@ -122,8 +126,15 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "draft_model": DrafterEntry(DraftModelDrafter, "a smaller model with the same tokenizer drafts chains",
                                 needs_draft_model=True),
     "draft_model_tree": DrafterEntry(partial(DraftModelDrafter, top_k=4), "a smaller model with the same tokenizer "
-                                     "drafts EAGLE-2's dynamic tree (top 4 per node), sized", scored=True,
+                                     "drafts EAGLE-2's dynamic tree (top 4 per node), sized; sampled requests: a tree "
+                                     "sampled from it", scored=True,
                                      needs_draft_model=True),
+    "bild": DrafterEntry(BiLDDrafter, "Big Little Decoder: a smaller same-tokenizer model drafts until its top "
+                         "probability falls below a fallback threshold; exact verification (rollback=0)",
+                         needs_draft_model=True),
+    "specdecpp": DrafterEntry(SpecDecPPDrafter, "SpecDec++: a draft model's chain stopped by a trained acceptance "
+                              "head (head=PATH or --draft-head) once P(a rejection) > h", needs_draft_model=True,
+                              reads_head=True),
     **{name: learned_entry(kind) for name, kind in LEARNED.items()},  # eagle, medusa, hydra, clover, kangaroo, ppd
     "eagle_fullvocab": DrafterEntry(partial(EagleDrafter, full_vocab=True), "eagle drafting through the target's "
                                     "whole LM head (against its trimmed draft vocabulary)", scored=True, needs_target=True),
@@ -165,6 +176,7 @@ __all__ = [
     "AutoDrafter",
     "AutoregressiveDrafter",
     "DelDrafter",
+    "BiLDDrafter",
     "DraftModelDrafter",
     "Drafter",
     "DrafterEntry",
@@ -181,6 +193,7 @@ __all__ = [
     "QuantSelfDrafter",
     "RecyclingDrafter",
     "StandDrafter",
+    "SpecDecPPDrafter",
     "SuffixDrafter",
     "SuffixMergedDrafter",
     "SwiftDrafter",

@@ -36,6 +36,9 @@ class Drafter(ABC):
     # samples several children of one node draws them so (``verify.rsd.gumbel_top_k`` draws without
     # replacement) and marks its tree ``DraftTree(..., siblings=self.siblings)``
     siblings: str = "iid"
+    # the acceptance rule this drafter's method needs in place of the engine's (a Verifier class or
+    # factory with its arguments): only BiLD's opt-in lossy rollback; None keeps the exact rule
+    verifier_cls = None
 
     def reset(self, prompt_ids: list[int], params: SamplingParams, generator: torch.Generator | None) -> None:
         """Start a new request. ``params`` and ``generator`` are the engine's (for sampled drafts)."""

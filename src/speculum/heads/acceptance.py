@@ -1,0 +1,91 @@
+"""SpecDec++'s acceptance prediction head (Huang, Guo, Wang 2024, "SpecDec++: Boosting Speculative
+Decoding via Adaptive Candidate Lengths", https://arxiv.org/abs/2405.19715): a small network on a
+draft model's last hidden state that predicts whether the token drafted from that state will be
+accepted by the target. The ``specdecpp`` drafter (:mod:`speculum.drafters.specdecpp`) stops
+drafting by it; ``speculum.train.acceptance`` trains it.
+
+The head reads ``h [..., D]``, the draft's final (normed) hidden state at the position whose
+logits the token was drafted from, and returns one logit ``[...]``: ``sigmoid`` of it is the
+predicted acceptance probability. ``inner=0`` makes it one linear layer; ``inner > 0`` two
+(``D -> inner -> 1``, SiLU between; the paper's heads are small residual MLPs).
+
+A head file is one safetensors file (float32 weights; a few hundred KB for a 576-wide draft), its
+metadata naming the kind (``acceptance``), the config and what it was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import SpeculumError
+
+KIND = "acceptance"
+
+
+@dataclass(frozen=True)
+class AcceptanceConfig:
+    hidden: int  # D, the draft model's hidden size
+    inner: int = 64  # 0: a linear head; else the MLP's width
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class AcceptanceHead(torch.nn.Module):
+    """``h [..., D] -> logit [...]`` of P(the token drafted from h is accepted)."""
+
+    def __init__(self, config: AcceptanceConfig):
+        super().__init__()
+        self.config = config
+        if config.inner > 0:
+            self.net = torch.nn.Sequential(torch.nn.Linear(config.hidden, config.inner), torch.nn.SiLU(),
+                                           torch.nn.Linear(config.inner, 1))
+        else:
+            self.net = torch.nn.Linear(config.hidden, 1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.net(h.float()).squeeze(-1)
+
+    def accept_prob(self, h: torch.Tensor) -> torch.Tensor:
+        """``[...]`` predicted acceptance probabilities of the tokens drafted from ``h [..., D]``."""
+        return torch.sigmoid(self(h))
+
+
+def save_acceptance_head(path: str | Path, head: AcceptanceHead, meta: dict) -> Path:
+    """Write ``head`` (float32) to one safetensors file, with its config and ``meta`` in the header."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().float().contiguous() for k, v in head.state_dict().items()}
+    header = {"kind": KIND, "config": json.dumps(head.config.to_dict()), "meta": json.dumps(meta)}
+    save_file(tensors, str(path), metadata=header)
+    return path
+
+
+def load_acceptance_head(path: str | Path, hidden: int | None = None) -> tuple[AcceptanceHead, dict]:
+    """``(head, meta)`` from a file of :func:`save_acceptance_head`; ``hidden``: the draft model's
+    hidden size, checked against the head's."""
+    from safetensors import safe_open
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise SpeculumError(f"acceptance head {path} does not exist (train one: python -m speculum.train.acceptance)")
+    try:
+        with safe_open(str(path), "pt") as f:
+            header = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
+    except Exception as e:  # a foreign or damaged file
+        raise SpeculumError(f"{path} is not an acceptance head file ({e})") from e
+    if header.get("kind") != KIND:
+        raise SpeculumError(f"{path} is not an acceptance head file (its kind is {header.get('kind')!r})")
+    head = AcceptanceHead(AcceptanceConfig(**json.loads(header["config"])))
+    if hidden is not None and head.config.hidden != hidden:
+        raise SpeculumError(f"acceptance head {path.name} reads hidden size {head.config.hidden}, "
+                            f"the draft model's is {hidden}")
+    head.load_state_dict(tensors)
+    return head.eval().requires_grad_(False), json.loads(header.get("meta", "{}"))
