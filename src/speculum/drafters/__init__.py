@@ -19,8 +19,8 @@ from .ar import AutoregressiveDrafter
 from .arm_memory import ArmMemory, arm_name
 from .auto import AutoDrafter
 from .base import Drafter
-from .del_exit import DelDrafter
 from .bild import BiLDDrafter
+from .del_exit import DelDrafter
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
 from .hydra import HydraDrafter
@@ -34,8 +34,8 @@ from .online_adapt import OnlineAdaptDrafter
 from .ppd import PPDDrafter
 from .quant_self import QuantSelfDrafter
 from .recycling import RecyclingDrafter
-from .stand import StandDrafter
 from .specdecpp import SpecDecPPDrafter
+from .stand import StandDrafter
 from .suffix import SuffixDrafter
 from .suffix_merged import SuffixMergedDrafter
 from .swift import SwiftDrafter
@@ -175,8 +175,8 @@ __all__ = [
     "AdedDrafter",
     "AutoDrafter",
     "AutoregressiveDrafter",
-    "DelDrafter",
     "BiLDDrafter",
+    "DelDrafter",
     "DraftModelDrafter",
     "Drafter",
     "DrafterEntry",
@@ -192,8 +192,8 @@ __all__ = [
     "PPDDrafter",
     "QuantSelfDrafter",
     "RecyclingDrafter",
-    "StandDrafter",
     "SpecDecPPDrafter",
+    "StandDrafter",
     "SuffixDrafter",
     "SuffixMergedDrafter",
     "SwiftDrafter",
