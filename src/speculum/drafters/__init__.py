@@ -18,6 +18,7 @@ from .ar import AutoregressiveDrafter
 from .arm_memory import ArmMemory, arm_name
 from .auto import AutoDrafter
 from .base import Drafter
+from .cross_vocab import CrossVocabDrafter
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
 from .hydra import HydraDrafter
@@ -41,7 +42,8 @@ class DrafterEntry:
 
     ``factory(**options)`` makes it (``draft_model=`` is passed when ``needs_draft_model``,
     ``target=`` the target transformers model and ``draft_head=`` a head file when ``needs_target``:
-    learned heads read the target's embedding and LM head);
+    learned heads read the target's embedding and LM head; ``target_tokenizer=`` and ``draft_tokenizer=``
+    when ``takes_tokenizers``: its draft model may have any tokenizer);
     ``scored``: its trees carry acceptance scores, so the engine sizes them to the hardware's cost
     curve (:class:`~speculum.tree_sizing.TreeSizer`); ``max_tree``: the engine's budget of drafted
     nodes per step; ``remembers_arms``: it takes ``memory_key=``, the runner's calibration key, under
@@ -53,6 +55,7 @@ class DrafterEntry:
     scored: bool = False
     needs_draft_model: bool = False
     needs_target: bool = False
+    takes_tokenizers: bool = False
     max_tree: int = 64
     remembers_arms: bool = False
 
@@ -116,6 +119,9 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "draft_model_tree": DrafterEntry(partial(DraftModelDrafter, top_k=4), "a smaller model with the same tokenizer "
                                      "drafts EAGLE-2's dynamic tree (top 4 per node), sized", scored=True,
                                      needs_draft_model=True),
+    "cross_vocab": DrafterEntry(CrossVocabDrafter, "a smaller model with another tokenizer drafts chains through "
+                                "text, re-tokenized both ways (SLEM, OmniDraft)", needs_draft_model=True,
+                                takes_tokenizers=True),
     **{name: learned_entry(kind) for name, kind in LEARNED.items()},  # eagle, medusa, hydra, kangaroo, ppd
     "eagle_fullvocab": DrafterEntry(partial(EagleDrafter, full_vocab=True), "eagle drafting through the target's "
                                     "whole LM head (against its trimmed draft vocabulary)", scored=True, needs_target=True),
@@ -145,6 +151,7 @@ __all__ = [
     "DRAFTERS",
     "AutoDrafter",
     "AutoregressiveDrafter",
+    "CrossVocabDrafter",
     "DraftModelDrafter",
     "Drafter",
     "DrafterEntry",
