@@ -24,6 +24,7 @@ from speculum.errors import SpeculumError
 from speculum.methods import build_method
 from speculum.runners import NativeRunner
 from speculum.sampling import SamplingParams
+from speculum.tree import DraftTree
 from speculum.verify import Acceptance, Verifier
 
 CHARS = string.printable[:TINY_VOCAB - 1]  # 95 printable chars (digits, letters, punctuation, space)
@@ -174,7 +175,6 @@ def test_draft_length_adapts():
     drafter = CrossVocabDrafter(tiny_llama(vocab=len(pair_tokenizer())), char_tokenizer(), pair_tokenizer(),
                                 num_draft=4, max_draft=8)
     drafter.reset([0, 5], SamplingParams(), None)
-    from speculum.tree import DraftTree
     tree = DraftTree.chain([3, 4, 5])
     drafter.update([], tree, Acceptance([0, 1, 2], [3, 4, 5, 6]))
     assert drafter.k == 6
@@ -241,7 +241,7 @@ def test_sampled_output_is_the_targets_distribution(verifier):
     target, target_tok, draft, draft_tok = small_setup()
     drafter = CrossVocabDrafter(draft, target_tok, draft_tok, num_draft=3)
     engine = Engine(NativeRunner(target), drafter, eos_token_ids=[], verifier_cls=verifier)
-    n = 3000
+    n = 2000 if verifier is Verifier else 800  # the broken one fails at p < 1e-12 from 800
     counts = Counter(tuple(engine.generate(PROMPT, 2, PARAMS, seed=100 + i).tokens) for i in range(n))
     p = chi2_pvalue(counts, exact_joint(target), n)
     if verifier is Verifier:

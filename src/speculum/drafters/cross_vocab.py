@@ -38,8 +38,14 @@ from __future__ import annotations
 
 import torch
 
-from ..drafting.vocab_bridge import appended_text, continuation_ids, special_ids, special_map, stable_prefix, \
-    to_other_vocab
+from ..drafting.vocab_bridge import (
+    appended_text,
+    continuation_ids,
+    special_ids,
+    special_map,
+    stable_prefix,
+    to_other_vocab,
+)
 from ..errors import SpeculumError
 from ..sampling import SamplingParams
 from ..tree import DraftTree
