@@ -18,7 +18,7 @@ from test_sampling import chi2_pvalue
 
 from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.drafters.cross_vocab import CrossVocabDrafter
-from speculum.drafting.vocab_bridge import continuation_ids, stable_prefix, to_other_vocab
+from speculum.drafting.vocab_bridge import ContextTranslator, continuation_ids, stable_prefix, to_other_vocab
 from speculum.engine import Engine
 from speculum.errors import SpeculumError
 from speculum.methods import build_method
@@ -154,6 +154,20 @@ def test_context_moves_to_the_other_vocabulary():
     # other's BOS first, then the text between specials, each part encoded on its own
     want = [other.vocab["<s>"]] + other.encode("the cat", False) + other.encode("in", False)
     assert to_other_vocab(ids, source, other, specials) == want
+
+
+def test_context_translation_is_incremental():
+    """The translator re-encodes only the recent ids and gives what translating everything gives
+    (pieces that never cross a space, so a cut at a word start changes nothing)."""
+    source = char_tokenizer()
+    other = ToyTokenizer(list(CHARS) + ["th", "he", "at", "in"], specials=("<s>",), seed=3)
+    specials = {source.vocab["<bos>"]: None}
+    translate = ContextTranslator(source, other, specials, keep=8, freeze_at=16)
+    ids = source.encode("the cat sat on the mat and then the hat went in " * 3)
+    for n in range(1, len(ids) + 1):
+        assert translate(ids[:n]) == to_other_vocab(ids[:n], source, other, specials)
+    assert len(translate.frozen) > len(ids) - 16 - 8
+    assert translate(ids[:5]) == to_other_vocab(ids[:5], source, other, specials)  # another sequence
 
 
 def test_only_ids_that_a_longer_draft_keeps_are_proposed():

@@ -24,9 +24,10 @@ SmolLM2's tokenizer as ``[" of", " France", " is"]``; without the last draft tok
 If the target's argmax after " capital" is " of" and after " of" is " France", both are accepted
 and the target's next argmax is the bonus token.
 
-The draft model keeps its KV cache across steps: each step the context is encoded anew (the last
-ids can change once more text follows them) and the cache is rolled back only to the first id that
-changed. The draft length adapts as in transformers' assisted generation (two more after a fully
+The draft model keeps its KV cache across steps: each step the context's recent part is encoded
+anew (its last ids can change once more text follows them; the older part is translated once,
+:class:`~speculum.drafting.vocab_bridge.ContextTranslator`) and the cache is rolled back only to
+the first id that changed. The draft length adapts as in transformers' assisted generation (two more after a fully
 accepted draft, one fewer otherwise). Not done: OmniDraft's n-gram cache of draft id sequences that
 map to target ids, and its online distillation of the draft.
 
@@ -36,15 +37,17 @@ Defaults: ``num_draft=5`` draft tokens to start (transformers starts at 20, a GP
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ..drafting.vocab_bridge import (
+    ContextTranslator,
     appended_text,
     continuation_ids,
     special_ids,
     special_map,
     stable_prefix,
-    to_other_vocab,
 )
 from ..errors import SpeculumError
 from ..sampling import SamplingParams
@@ -69,7 +72,8 @@ class CrossVocabDrafter(Drafter):
         self.target_tok, self.draft_tok = target_tokenizer, draft_tokenizer
         self.drafter = DraftModelDrafter(draft_model, num_draft=max_draft, adaptive=False)
         self.drafter.end_ids = frozenset(int(i) for i in _eos_ids(draft_tokenizer, draft_model))
-        self.to_draft = special_map(target_tokenizer, draft_tokenizer)  # target special id -> draft's or None
+        specials = special_map(target_tokenizer, draft_tokenizer)  # target special id -> draft's or None
+        self.translate = ContextTranslator(target_tokenizer, draft_tokenizer, specials)  # target ids -> draft ids
         self.target_specials = special_ids(target_tokenizer)
         self.start_k, self.max_draft, self.adaptive = num_draft, max_draft, adaptive
 
@@ -81,11 +85,13 @@ class CrossVocabDrafter(Drafter):
     def fork(self) -> CrossVocabDrafter:
         twin = super().fork()
         twin.drafter = self.drafter.fork()
+        twin.translate = copy.copy(self.translate)
+        twin.translate.reset()
         return twin
 
     def _draft_context(self, tokens: list[int]) -> list[int]:
         """The committed target ids ``[n]`` as the draft tokenizer's ids."""
-        return to_other_vocab(tokens, self.target_tok, self.draft_tok, self.to_draft)
+        return self.translate(tokens)
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], budget: int) -> DraftTree:

@@ -7,7 +7,8 @@ pieces, each a plain function of token ids:
 - :func:`to_other_vocab`: the context ``[n]`` (target ids) as ids of the other tokenizer: the text
   between special tokens is decoded and encoded again; a special token maps to the other
   tokenizer's special token of the same spelling, or is dropped (the text around it is kept). The
-  other tokenizer's own prefix (its BOS) is put first.
+  other tokenizer's own prefix (its BOS) is put first. :class:`ContextTranslator` does it for a
+  growing context, re-encoding only its recent ids.
 - :func:`appended_text`: the text that drafted ids add after a context, decoded beside the
   context's last ids so that a leading space or a multi-byte character comes out right; an
   unfinished UTF-8 character at the end (decoded as U+FFFD) is cut.
@@ -53,18 +54,60 @@ def leading_ids(tokenizer) -> list[int]:
     return [int(i) for i in tokenizer.encode("", add_special_tokens=True)]
 
 
-def to_other_vocab(ids: Sequence[int], source, other, specials: dict[int, int | None]) -> list[int]:
-    """``ids`` ``[n]`` of ``source`` as ids of ``other`` (``specials``: :func:`special_map`)."""
-    out = leading_ids(other)
+def to_other_vocab(ids: Sequence[int], source, other, specials: dict[int, int | None], first: bool = True) -> list[int]:
+    """``ids`` ``[n]`` of ``source`` as ids of ``other`` (``specials``: :func:`special_map`);
+    ``first``: ``ids`` begin the sequence (``other``'s BOS is put first)."""
+    out = leading_ids(other) if first else []
     start = 0
     for i, tid in enumerate(ids):
         if tid in specials:
             out += _encode_text(ids[start:i], source, other)
             mapped = specials[tid]
-            if mapped is not None and not (i == 0 and out and out[-1] == mapped):
+            if mapped is not None and not (first and i == 0 and out and out[-1] == mapped):
                 out.append(mapped)
             start = i + 1
     return out + _encode_text(ids[start:], source, other)
+
+
+class ContextTranslator:
+    """:func:`to_other_vocab` of a growing sequence, paying only for its recent ids.
+
+    The ids up to a word start at least ``keep`` ids back are translated once and frozen (each
+    time ``freeze_at`` ids have piled up after the frozen part); each call translates the ids after
+    them. The other tokenizer's ids of the frozen part never change, so a draft model's cache over
+    them stays valid. A word cut at a freeze point would be encoded in two parts: the point is put
+    where the source's id starts with whitespace (or is special) where there is one.
+    """
+
+    def __init__(self, source, other, specials: dict[int, int | None], keep: int = 16, freeze_at: int = 64):
+        self.source, self.other, self.specials = source, other, specials
+        self.keep, self.freeze_at = keep, freeze_at
+        self.reset()
+
+    def reset(self) -> None:
+        self.frozen: list[int] = []  # source ids translated once
+        self.frozen_out: list[int] = []  # [m] their translation
+
+    def __call__(self, ids: Sequence[int]) -> list[int]:
+        ids = list(ids)
+        if ids[:len(self.frozen)] != self.frozen:  # another sequence
+            self.reset()
+        if len(ids) - len(self.frozen) > self.freeze_at:
+            self._freeze(ids, self._word_start(ids, len(ids) - self.keep))
+        return self.frozen_out + to_other_vocab(ids[len(self.frozen):], self.source, self.other, self.specials,
+                                                first=not self.frozen)
+
+    def _freeze(self, ids: list[int], cut: int) -> None:
+        self.frozen_out += to_other_vocab(ids[len(self.frozen):cut], self.source, self.other, self.specials,
+                                          first=not self.frozen)
+        self.frozen = ids[:cut]
+
+    def _word_start(self, ids: list[int], cut: int) -> int:
+        """The last position at or before ``cut`` (after the frozen part) whose id starts a word."""
+        for i in range(cut, len(self.frozen), -1):
+            if ids[i] in self.specials or self.source.decode([ids[i]], skip_special_tokens=False)[:1].isspace():
+                return i
+        return cut
 
 
 def _encode_text(ids: Sequence[int], source, other) -> list[int]:
