@@ -278,3 +278,11 @@ def test_packaged_models_across_tokenizers(smollm2_f32, gemma3_f32, direction):
     out = build_method("cross_vocab", target, ttok, draft, dtok).run(ids, 24)
     assert out.tokens == ar.tokens
     assert out.mean_accepted > 1.2  # the other model's drafts are accepted at times
+
+
+def test_cli_asks_for_the_draft_model(capsys):
+    from speculum.cli import main
+
+    assert main(["generate", "--prompt", "hi", "--method", "cross_vocab"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("speculum: error:") and "needs a draft model" in err and "Traceback" not in err
