@@ -131,6 +131,20 @@ def test_a_draft_that_is_the_target_in_other_ids_is_accepted():
         assert out.mean_accepted > 3.0  # a chain of k chars keeps k - 1 stable ids, all accepted
 
 
+def test_batched_requests_equal_solo_ar():
+    """Requests of cross_vocab (forks of one drafter) share batches, joining and leaving mid-way."""
+    from speculum.batching import Batcher, BatchRequest
+
+    target, draft_tok = tiny_llama(seed=1), pair_tokenizer()
+    runner = NativeRunner(target)
+    ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
+    cross = Engine(runner, CrossVocabDrafter(tiny_llama(seed=2, vocab=len(draft_tok)), char_tokenizer(), draft_tok),
+                   eos_token_ids=[])
+    reqs = [BatchRequest(cross, p, n) for p, n in zip(prompts(5), [7, 30, 12, 25, 18], strict=True)]
+    got = [r.tokens for r in Batcher(runner, max_batch=3).run(reqs)]
+    assert got == [ar.generate(r.prompt_ids, r.max_new_tokens).tokens for r in reqs]
+
+
 def test_conversion_at_a_word_boundary():
     """The committed tail is re-encoded with the drafted text; where it comes back changed (its last
     id is part of a longer piece), the text is encoded alone."""
