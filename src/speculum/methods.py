@@ -49,6 +49,8 @@ HF_METHODS = ("hf", "hf_pld", "hf_assisted", "hf_compiled")
 LLAMA_METHODS = ("llama_cpp", "llama_cpp_lookup")
 METHODS = ENGINE_METHODS + HF_METHODS + LLAMA_METHODS
 DRAFT_MODEL_METHODS = tuple(name for name, entry in DRAFTERS.items() if entry.needs_draft_model)
+# engine methods whose draft model may have another tokenizer than the target's
+ANY_TOKENIZER = tuple(name for name, entry in DRAFTERS.items() if entry.takes_tokenizers)
 NEEDS_DRAFT = DRAFT_MODEL_METHODS + ("hf_assisted",)
 STATIC_CACHE_SLOTS = 2048  # hf_compiled's static cache, at least
 
@@ -279,7 +281,7 @@ def check_method(name: str, has_draft_model: bool) -> None:
 
 def check_draft(name: str, model, tokenizer, draft_model, draft_tokenizer) -> None:
     """Raise :class:`SpeculumError` where ``draft_model`` cannot draft for ``model`` under method ``name``:
-    ``draft_model`` needs the same vocabulary; ``hf_assisted`` takes another tokenizer when
+    ``draft_model`` needs the same vocabulary, ``cross_vocab`` takes any tokenizer; ``hf_assisted`` takes another tokenizer when
     transformers can map between them (universal assisted decoding needs the vocabularies' sizes
     to differ, which is how it tells the case apart)."""
     if name == "hf_assisted":
@@ -288,6 +290,11 @@ def check_draft(name: str, model, tokenizer, draft_model, draft_tokenizer) -> No
             raise SpeculumError("hf_assisted: the draft model's tokenizer differs from the target's but its "
                                 "vocabulary has the same size, which transformers' universal assisted decoding "
                                 "cannot tell apart from a shared tokenizer")
+        return
+    if name in DRAFTERS and DRAFTERS[name].takes_tokenizers:
+        if tokenizer is None or draft_tokenizer is None:
+            raise SpeculumError(f"method {name!r} drafts through text: it needs the target's and the draft "
+                                "model's tokenizers")
         return
     check_same_tokenizer(tokenizer, draft_tokenizer)
     tw = model.get_output_embeddings().weight.shape[0]
@@ -363,6 +370,8 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
         sized = False  # every step costs the same up to fixed_rows: nothing to size (and no calibration)
     if entry.needs_draft_model:
         options["draft_model"] = draft_model
+    if entry.takes_tokenizers:
+        options["target_tokenizer"], options["draft_tokenizer"] = tokenizer, draft_tokenizer
     draft_head = options.pop("draft_head", None)
     if entry.reads_head and draft_head is not None:
         options["draft_head"] = draft_head
@@ -415,7 +424,7 @@ def load_checked(model_name: str, methods: Sequence[str], draft_name: str | None
     draft_tok = None
     if draft_name:
         draft_tok, _ = load_tokenizer_and_config(draft_name)
-        if any(m in DRAFT_MODEL_METHODS for m in methods):
+        if any(m in DRAFT_MODEL_METHODS and m not in ANY_TOKENIZER for m in methods):
             check_same_tokenizer(tok, draft_tok)
     model, tok = load(model_name, dtype, device, tokenizer=tok, weights=weights)
     use_runner(model, runner)

@@ -304,7 +304,8 @@ def write_structured(out_dir: str | Path, summary: dict, records: list[Structure
 
 
 # no grammar support, or a second model
-UNSUPPORTED_METHODS = ("hf_pld", "hf_assisted", "draft_model", "draft_model_tree", "llama_cpp", "llama_cpp_lookup")
+UNSUPPORTED_METHODS = ("hf_pld", "hf_assisted", "draft_model", "draft_model_tree", "cross_vocab", "llama_cpp",
+                       "llama_cpp_lookup")
 
 
 def check_settings(schemas: str | None, n_schemas: int, methods: list[str], temperature: float,

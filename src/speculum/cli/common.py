@@ -47,7 +47,8 @@ def add_load_args(p: argparse.ArgumentParser, model_help: str = MODEL_HELP) -> N
 def add_model_args(p: argparse.ArgumentParser) -> None:
     add_load_args(p)
     p.add_argument("--draft-model", default=None,
-                   help="draft model for the draft_model and hf_assisted methods (same tokenizer as --model)")
+                   help="draft model for the draft_model methods (same tokenizer as --model), cross_vocab and "
+                        "hf_assisted (any tokenizer)")
     p.add_argument("--draft-head", default=None, type=head_files, metavar=HEAD_METAVAR, help=HEAD_HELP)
     add_runner_arg(p)
     add_chat_args(p)

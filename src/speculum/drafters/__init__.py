@@ -20,6 +20,7 @@ from .arm_memory import ArmMemory, arm_name
 from .auto import AutoDrafter
 from .base import Drafter
 from .bild import BiLDDrafter
+from .cross_vocab import CrossVocabDrafter
 from .del_exit import DelDrafter
 from .draft_model import DraftModelDrafter
 from .eagle import EagleDrafter
@@ -47,7 +48,8 @@ class DrafterEntry:
 
     ``factory(**options)`` makes it (``draft_model=`` is passed when ``needs_draft_model``,
     ``target=`` the target transformers model and ``draft_head=`` a head file when ``needs_target``:
-    learned heads read the target's embedding and LM head);
+    learned heads read the target's embedding and LM head; ``target_tokenizer=`` and ``draft_tokenizer=``
+    when ``takes_tokenizers``: its draft model may have any tokenizer);
     ``scored``: its trees carry acceptance scores, so the engine sizes them to the hardware's cost
     curve (:class:`~speculum.tree_sizing.TreeSizer`); ``max_tree``: the engine's budget of drafted
     nodes per step; ``remembers_arms``: it takes ``memory_key=``, the runner's calibration key, under
@@ -60,6 +62,7 @@ class DrafterEntry:
     scored: bool = False
     needs_draft_model: bool = False
     needs_target: bool = False
+    takes_tokenizers: bool = False
     max_tree: int = 64
     remembers_arms: bool = False
     reads_head: bool = False
@@ -135,6 +138,9 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "specdecpp": DrafterEntry(SpecDecPPDrafter, "SpecDec++: a draft model's chain stopped by a trained acceptance "
                               "head (head=PATH or --draft-head) once P(a rejection) > h", needs_draft_model=True,
                               reads_head=True),
+    "cross_vocab": DrafterEntry(CrossVocabDrafter, "a smaller model with another tokenizer drafts chains through "
+                                "text, re-tokenized both ways (SLEM, OmniDraft)", needs_draft_model=True,
+                                takes_tokenizers=True),
     **{name: learned_entry(kind) for name, kind in LEARNED.items()},  # eagle, medusa, hydra, clover, kangaroo, ppd
     "eagle_fullvocab": DrafterEntry(partial(EagleDrafter, full_vocab=True), "eagle drafting through the target's "
                                     "whole LM head (against its trimmed draft vocabulary)", scored=True, needs_target=True),
@@ -176,6 +182,7 @@ __all__ = [
     "AutoDrafter",
     "AutoregressiveDrafter",
     "BiLDDrafter",
+    "CrossVocabDrafter",
     "DelDrafter",
     "DraftModelDrafter",
     "Drafter",
