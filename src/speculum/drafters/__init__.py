@@ -27,6 +27,7 @@ from .lookahead import LookaheadDrafter
 from .medusa import MedusaDrafter
 from .mix import MixDrafter
 from .ngram import NgramDrafter
+from .pearl import PearlDrafter
 from .ppd import PPDDrafter
 from .quant_self import QuantSelfDrafter
 from .recycling import RecyclingDrafter
@@ -116,6 +117,8 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "draft_model_tree": DrafterEntry(partial(DraftModelDrafter, top_k=4), "a smaller model with the same tokenizer "
                                      "drafts EAGLE-2's dynamic tree (top 4 per node), sized", scored=True,
                                      needs_draft_model=True),
+    "pearl": DrafterEntry(PearlDrafter, "PEARL: a smaller model with the same tokenizer drafts the next chunk in a "
+                          "thread while the target verifies the current one (post-verify)", needs_draft_model=True),
     **{name: learned_entry(kind) for name, kind in LEARNED.items()},  # eagle, medusa, hydra, kangaroo, ppd
     "eagle_fullvocab": DrafterEntry(partial(EagleDrafter, full_vocab=True), "eagle drafting through the target's "
                                     "whole LM head (against its trimmed draft vocabulary)", scored=True, needs_target=True),
@@ -157,6 +160,7 @@ __all__ = [
     "MixDrafter",
     "NgramDrafter",
     "PPDDrafter",
+    "PearlDrafter",
     "QuantSelfDrafter",
     "RecyclingDrafter",
     "SuffixDrafter",
