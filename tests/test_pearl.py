@@ -5,7 +5,6 @@ accepted whole and the bonus token is the continuation's first token)."""
 from __future__ import annotations
 
 import copy
-import itertools
 import threading
 from collections import Counter
 
@@ -36,8 +35,7 @@ def llama():
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-@pytest.mark.parametrize("gamma", [None, 3])
-@pytest.mark.parametrize("draft_kind", ["copy", "weak"])
+@pytest.mark.parametrize(("gamma", "draft_kind"), [(None, "weak"), (3, "copy"), (2, "weak")])
 def test_greedy_output_is_ar(family, gamma, draft_kind):
     target = tiny_llama(seed=0) if family == "llama" else tiny_gemma3(seed=0)
     if draft_kind == "copy":
@@ -48,11 +46,11 @@ def test_greedy_output_is_ar(family, gamma, draft_kind):
     drafter = PearlDrafter(draft, gamma=gamma)
     engine = Engine(runner, drafter, eos_token_ids=[])
     for prompt in (PROMPT, [3, 3, 3, 3, 40, 41, 42]):
-        result = engine.generate(prompt, 40)
-        assert result.tokens == ar_tokens(runner, prompt, 40)
+        result = engine.generate(prompt, 30)
+        assert result.tokens == ar_tokens(runner, prompt, 30)
     assert drafter.hits + drafter.misses > 0
     if draft_kind == "copy":
-        assert drafter.misses == 0 and drafter.hits >= 10
+        assert drafter.misses == 0 and drafter.hits >= 8
 
 
 class CountingRunner:
@@ -138,12 +136,12 @@ def test_bad_options_and_registry(llama):
     assert isinstance(method.engine.drafter, PearlDrafter) and method.engine.drafter.gamma == 2
 
 
-# -- sampling: the marginal of tokens 5 and 6 of 6-token samples, where post-verify chunks are used --
+# -- sampling: the marginal of tokens 4 and 5 of 5-token samples, where post-verify chunks are used --
 
 VOCAB = 8
 S_PROMPT = [1, 5, 2]
 PARAMS = SamplingParams(temperature=0.9, top_k=6, top_p=0.97)
-NEW = 6
+NEW = 5
 
 
 @pytest.fixture(scope="module")
@@ -152,23 +150,18 @@ def small():
 
 
 def exact_last_pair(model) -> dict[tuple[int, int], float]:
-    """P(tokens 5 and 6 of the output) under the target, by enumerating the tokens before them."""
+    """P(the output's last two tokens) under the target, by enumerating the tokens before them
+    (only prefixes of positive probability: top-k leaves few)."""
+    mass: dict[tuple[int, ...], float] = {(): 1.0}
     with torch.no_grad():
-        probs = {(): PARAMS.probs(model(torch.tensor([S_PROMPT])).logits[0, -1])}  # prefix -> p(next)
-        for length in range(1, NEW):
-            seqs = [s for s in itertools.product(range(VOCAB), repeat=length)]
-            logits = model(torch.tensor([S_PROMPT + list(s) for s in seqs])).logits[:, -1]
-            for s, row in zip(seqs, PARAMS.probs(logits)):
-                probs[s] = row
-    mass = {(): 1.0}
-    for length in range(NEW - 2):
-        mass = {s + (t,): m * float(probs[s][t]) for s, m in mass.items() for t in range(VOCAB)}
+        for _ in range(NEW):
+            seqs = list(mass)
+            probs = PARAMS.probs(model(torch.tensor([S_PROMPT + list(s) for s in seqs])).logits[:, -1])
+            mass = {s + (t,): mass[s] * float(p) for s, row in zip(seqs, probs)
+                    for t, p in enumerate(row.tolist()) if p > 0}
     out: Counter = Counter()
     for s, m in mass.items():
-        for a in range(VOCAB):
-            pa = m * float(probs[s][a])
-            for b in range(VOCAB):
-                out[(a, b)] += pa * float(probs[s + (a,)][b])
+        out[s[-2:]] += m
     return dict(out)
 
 
@@ -176,6 +169,8 @@ def chi2_pvalue(counts: Counter, exact: dict, n: int) -> float:
     cells = [c for c in exact if exact[c] * n >= 5]
     obs = [counts.get(c, 0) for c in cells] + [n - sum(counts.get(c, 0) for c in cells)]
     exp = [exact[c] * n for c in cells] + [n * (1 - sum(exact[c] for c in cells))]
+    if exp[-1] < 1e-9:  # every outcome has its own cell
+        return 0.0 if obs[-1] else chisquare(obs[:-1], exp[:-1]).pvalue
     return chisquare(obs, exp).pvalue
 
 
@@ -195,11 +190,11 @@ def sample_last_pairs(drafter, model, n: int) -> Counter:
 def test_sampled_output_keeps_the_target_distribution(small, variant):
     cls = PearlDrafter if variant == "pearl" else ArgmaxPearl
     drafter = cls(tiny_llama(seed=3, vocab=VOCAB, logit_scale=5.0), gamma=2)
-    n = 2500
+    n = 300  # the broken variant fails by far (p below 1e-40 at 400)
     p = chi2_pvalue(sample_last_pairs(drafter, small, n), exact_last_pair(small), n)
     if variant == "pearl":
         assert p > 1e-3, f"chi-square p = {p:.2e}"
-        assert drafter.hits > n // 4  # post-verify chunks were really used
+        assert drafter.hits > n // 5  # post-verify chunks were really used
     else:
         assert p < 1e-6, f"the broken variant passed: p = {p:.2e}"
 
