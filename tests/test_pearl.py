@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import tiny_gemma3, tiny_llama
+from conftest import batched_join_midway, tiny_gemma3, tiny_llama
 from scipy.stats import chisquare
 
 from speculum.drafters import DRAFTERS
@@ -122,6 +122,15 @@ def test_sequential_mode_drafts_in_the_engine_thread(llama):
     result = Engine(runner, drafter, eos_token_ids=[]).generate(PROMPT, 20)
     assert result.tokens == ar_tokens(runner, PROMPT, 20)
     assert all(drafter.runner.threads) and drafter.hits == drafter.misses == 0
+
+
+def test_batched_requests_each_keep_ar_output(llama):
+    """Forks in one batch: each request's continuation runs beside the others' drafting."""
+    runner = NativeRunner(llama)
+    engine = Engine(runner, PearlDrafter(copy.deepcopy(llama), gamma=2), eos_token_ids=[])
+    prompts = [PROMPT, [3, 3, 3, 3, 40, 41, 42], [7, 8, 9]]
+    got = batched_join_midway(runner, engine, prompts, new=20)
+    assert got == [ar_tokens(runner, p, 20) for p in prompts]
 
 
 def test_bad_options_and_registry(llama):

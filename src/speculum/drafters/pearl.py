@@ -132,6 +132,8 @@ class PearlDrafter(DraftModelDrafter):
         self.gamma, self.post_verify = gamma, post_verify
         self.hits = self.misses = 0  # steps whose chunk came ready from post-verify / not (all requests)
         self.job: Continuation | None = None
+        # one draft forward at a time on the draft's runner: the forks of a batch share it
+        self.forward_lock = threading.Lock()
 
     # -- request life ------------------------------------------------------------------------------
 
@@ -203,7 +205,8 @@ class PearlDrafter(DraftModelDrafter):
                 self.hits += 1
                 return cont.tail(1)
             self.misses += 1
-        self._sync(tokens)
+        with self.forward_lock:
+            self._sync(tokens)
         return Chunk()
 
     def draft_after(self, last: int, limit: int, out: Chunk, stop: threading.Event | None = None) -> None:
@@ -214,8 +217,9 @@ class PearlDrafter(DraftModelDrafter):
         for _ in range(limit):
             if stop is not None and out.tokens and stop.is_set():
                 break
-            logits = self.runner.forward_tree(self.cache, last, DraftTree())[-1]  # [V]
-            self.cache.commit()
+            with self.forward_lock:
+                logits = self.runner.forward_tree(self.cache, last, DraftTree())[-1]  # [V]
+                self.cache.commit()
             self.seen.append(last)
             if self.params.greedy:
                 probs = torch.softmax(logits.float(), -1)
