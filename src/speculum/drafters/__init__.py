@@ -32,6 +32,7 @@ from .medusa import MedusaDrafter
 from .mix import MixDrafter
 from .ngram import NgramDrafter
 from .online_adapt import OnlineAdaptDrafter
+from .pearl import PearlDrafter
 from .ppd import PPDDrafter
 from .quant_self import QuantSelfDrafter
 from .recycling import RecyclingDrafter
@@ -141,6 +142,8 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "cross_vocab": DrafterEntry(CrossVocabDrafter, "a smaller model with another tokenizer drafts chains through "
                                 "text, re-tokenized both ways (SLEM, OmniDraft)", needs_draft_model=True,
                                 takes_tokenizers=True),
+    "pearl": DrafterEntry(PearlDrafter, "PEARL: a smaller model with the same tokenizer drafts the next chunk in a "
+                          "thread while the target verifies the current one (post-verify)", needs_draft_model=True),
     **{name: learned_entry(kind) for name, kind in LEARNED.items()},  # eagle, medusa, hydra, clover, kangaroo, ppd
     "eagle_fullvocab": DrafterEntry(partial(EagleDrafter, full_vocab=True), "eagle drafting through the target's "
                                     "whole LM head (against its trimmed draft vocabulary)", scored=True, needs_target=True),
@@ -197,6 +200,7 @@ __all__ = [
     "NgramDrafter",
     "OnlineAdaptDrafter",
     "PPDDrafter",
+    "PearlDrafter",
     "QuantSelfDrafter",
     "RecyclingDrafter",
     "SpecDecPPDrafter",
