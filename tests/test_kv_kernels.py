@@ -278,3 +278,18 @@ def test_policies_decode_alike_with_and_without_the_kernels(monkeypatch, spec, b
     monkeypatch.setattr(positioned, "kernels_for", lambda *a: None)
     slow = _generate(model, prompt, spec, budget)
     assert fast.tokens == slow.tokens
+
+
+def test_a_killed_builds_baton_does_not_hang_the_next_load():
+    """torch's builder leaves a ``lock`` file in the build directory while it compiles; a build killed
+    midway leaves it behind. Every build runs under speculum's own file lock, so the next load removes
+    it rather than waiting for it forever."""
+    from speculum.cache.kernels import SOURCES
+    from speculum.extensions import build_extension, source_key, target_arch
+    from speculum.models import cache_dir
+
+    load_kv_kernels()  # built (or loaded) once
+    where = cache_dir() / "kernels" / source_key(SOURCES, target_arch())
+    (where / "lock").touch()
+    assert build_extension("speculum_kvkernels", SOURCES).isa() == load_kv_kernels().isa()
+    assert not (where / "lock").exists()

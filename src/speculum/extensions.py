@@ -75,6 +75,9 @@ def build_extension(name: str, sources: Sequence[Path], arch: str | None = None,
     where = cache_dir() / "kernels" / key
     where.mkdir(parents=True, exist_ok=True)
     with FileLock(str(where) + ".lock"):  # test workers may build at the same moment
+        # every build of this directory runs under the lock just taken, so a baton torch's builder left
+        # there (``lock``) is a killed build's: left in place, it would make this load wait forever
+        (where / "lock").unlink(missing_ok=True)
         try:
             return load(name=f"{name}_{key}", sources=[str(p) for p in sources], build_directory=str(where),
                         extra_cflags=["-O3", f"-march={arch}", "-fno-math-errno", "-fopenmp"],
