@@ -13,7 +13,7 @@ from test_sampling import VOCAB, chi2_pvalue, exact_joint, sample_pairs
 
 from speculum.drafters import DRAFTERS
 from speculum.drafters.online_adapt import OnlineAdaptDrafter
-from speculum.drafting.online_updates import Batch, distill_loss, head_logits, misses, zeroth_order_step
+from speculum.drafters.online_updates import Batch, distill_loss, head_logits, misses, zeroth_order_step
 from speculum.engine import Engine
 from speculum.errors import SpeculumError
 from speculum.methods import build_method

@@ -36,8 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from .constrain.guide import guide_for
 from .constrain.matcher import Grammar, compile_constraint
+from .constrain.request_guide import guide_for
 from .drafters.base import Drafter
 from .errors import SpeculumError
 from .penalties import Penalties

@@ -12,7 +12,7 @@
   (``Grammar(..., sampling="asap" | "awrs")``).
 """
 
-from .guide import UNGUIDED, Guide, guide_for
+from .guide import UNGUIDED, Guide
 from .matcher import (
     Grammar,
     TokenMatcher,
@@ -21,6 +21,7 @@ from .matcher import (
     mask_logits,
     restrict_draft_probs,
 )
+from .request_guide import guide_for
 from .spec import KINDS, ConstraintSpec, pick_constraint
 
 __all__ = ["KINDS", "UNGUIDED", "ConstraintSpec", "Grammar", "Guide", "TokenMatcher", "compile_constraint",

@@ -30,21 +30,10 @@ from dataclasses import replace
 
 import torch
 
-from ..errors import SpeculumError
 from ..sampling import SamplingParams
 from ..tree import DraftTree
 from .guide import Guide
 from .matcher import Grammar
-
-SAMPLING_MODES = ("mask", "asap", "awrs")
-
-
-def check_sampling_mode(mode: str, particles: int) -> None:
-    """:class:`SpeculumError` for an unknown constrained-sampling mode or a particle count below 1."""
-    if mode not in SAMPLING_MODES:
-        raise SpeculumError(f"unknown constraint sampling {mode!r}; choose from {', '.join(SAMPLING_MODES)}")
-    if not isinstance(particles, int) or particles < 1:
-        raise SpeculumError(f"the number of particles must be an integer >= 1, got {particles}")
 
 
 class ExactGuide(Guide):

@@ -107,21 +107,3 @@ class Guide(Unguided):
     def commit(self, tokens: list[int]) -> None:
         self.matcher.commit(tokens)
 
-
-def guide_for(grammar: Grammar | None, width: int, params: SamplingParams | None = None,
-              generator: torch.Generator | None = None, key: tuple = ()) -> Unguided:
-    """The request's guide: :data:`UNGUIDED` for None; for a grammar, :class:`Guide` (masking), or for
-    a sampled request under the grammar's ``sampling`` ``"asap"`` / ``"awrs"`` their guides (``key``:
-    what identifies the request's distribution for ASAp's trie: prompt, parameters, model;
-    ``generator``: AWRS's random numbers)."""
-    if grammar is None:
-        return UNGUIDED
-    if params is None or params.greedy or grammar.sampling == "mask":
-        return Guide(grammar, width)
-    if grammar.sampling == "asap":
-        from .asap import AsapGuide, asap_trie
-
-        return AsapGuide(grammar, width, params, asap_trie(grammar, (key, params)))
-    from .awrs import AwrsGuide
-
-    return AwrsGuide(grammar, width, params, generator if generator is not None else torch.Generator())

@@ -120,6 +120,17 @@ def _string_state(text: str, state: tuple[bool, bool]) -> tuple[bool, bool]:
     return inside, escaped
 
 
+SAMPLING_MODES = ("mask", "asap", "awrs")
+
+
+def check_sampling_mode(mode: str, particles: int) -> None:
+    """:class:`SpeculumError` for an unknown constrained-sampling mode or a particle count below 1."""
+    if mode not in SAMPLING_MODES:
+        raise SpeculumError(f"unknown constraint sampling {mode!r}; choose from {', '.join(SAMPLING_MODES)}")
+    if not isinstance(particles, int) or particles < 1:
+        raise SpeculumError(f"the number of particles must be an integer >= 1, got {particles}")
+
+
 class Grammar:
     """A compiled constraint for one tokenizer; :meth:`matcher` starts a request's state.
 
@@ -146,8 +157,6 @@ class Grammar:
     def __init__(self, spec: ConstraintSpec, tokenizer, width: int, eos_ids: Sequence[int], close_reserve: int = 0,
                  sampling: str = "mask", particles: int = 8):
         from llguidance import LLMatcher
-
-        from .exact import check_sampling_mode
 
         if close_reserve < 0:
             raise SpeculumError("close_reserve must be >= 0")

@@ -16,7 +16,7 @@ update on a CPU. :class:`OnlineAdaptDrafter` wraps the head's drafter and:
 - records, for every position ``j`` the request commits, the target's feature ``f_j [D]`` (from
   :meth:`see_hidden`) and the target's top-``r`` distribution over each token ``x_{j+2}`` .. from
   the logits row that verified it (from :meth:`update`); once ``x_{j+1+K}`` is committed, the
-  position goes to the shared :class:`~speculum.drafting.online_updates.ReplayBuffer`;
+  position goes to the shared :class:`~speculum.drafters.online_updates.ReplayBuffer`;
 - every ``every`` steps draws ``batch`` positions and takes one step on a float32 master copy of
   the head (``update="backprop"``: Adam on the loss's gradient; ``update="zo"``: a forward-only
   SPSA / MeZO step), then copies it into the drafting head. The loss counts only the labels the
@@ -50,7 +50,11 @@ from pathlib import Path
 
 import torch
 
-from ..drafting.online_updates import (
+from ..errors import SpeculumError
+from ..heads import LEARNED, TargetTables
+from ..tree import DraftTree
+from .base import Drafter
+from .online_updates import (
     Batch,
     ReplayBuffer,
     backprop_step,
@@ -59,10 +63,6 @@ from ..drafting.online_updates import (
     misses,
     zeroth_order_step,
 )
-from ..errors import SpeculumError
-from ..heads import LEARNED, TargetTables
-from ..tree import DraftTree
-from .base import Drafter
 
 UPDATES = ("backprop", "zo")
 KINDS = ("medusa", "hydra")
