@@ -149,22 +149,30 @@ def masked_softmax(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tens
     return scores.masked_fill(~candidates, float("-inf")).softmax(-1).nan_to_num_(0.0)
 
 
-def read_rows(cache: PositionedKVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              visible: torch.Tensor, rows: RowView, step: Step) -> torch.Tensor:
-    """Attend each row over its chosen columns ``visible [H_kv or 1, n, L+n]`` and itself: the union of the
-    rows' committed slots is read once, each row masked to its own choice -> ``[n, H*d]``."""
+def row_reads(visible: torch.Tensor, rows: RowView, heads: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """What :func:`read_rows` reads for the choice ``visible [H_kv or 1, n, L+n]``: the committed slots
+    ``[H_kv, m]`` (each head's chosen slots first, increasing, padded with unchosen ones that every row
+    masks; None: all of them) and the mask ``[H_kv, n, m + n]`` over those and the new entries, each row
+    seeing its choice and itself. A policy whose choice holds for several layers computes it once."""
     L, n = rows.length, rows.n
-    heads = cache.layout.kv_heads
     vis = visible.expand(heads, n, rows.columns).clone()
     idx = torch.arange(n, device=vis.device)
     vis[:, idx, L + idx] = True  # the row itself
     used = vis[:, :, :L].any(1)  # [H_kv, L]
     m = int(used.sum(1).max()) if L else 0
     if m == L:  # everything committed is read by some row: in place
-        return cache.attend_rows(layer, q, k, v, None, vis, step)
-    # each head's chosen slots first (increasing), padded with unchosen ones that every row masks
+        return None, vis
     slots = used.to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :m].sort(dim=1).values
     mask = torch.cat([vis[:, :, :L].gather(2, slots[:, None, :].expand(heads, n, m)), vis[:, :, L:]], dim=2)
+    return slots, mask
+
+
+def read_rows(cache: PositionedKVCache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              visible: torch.Tensor | tuple, rows: RowView, step: Step) -> torch.Tensor:
+    """Attend each row over its chosen columns ``visible [H_kv or 1, n, L+n]`` (or their
+    :func:`row_reads`) and itself: the union of the rows' committed slots is read once, each row masked
+    to its own choice -> ``[n, H*d]``."""
+    slots, mask = visible if isinstance(visible, tuple) else row_reads(visible, rows, cache.layout.kv_heads)
     return cache.attend_rows(layer, q, k, v, slots, mask, step)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .rows import RowView, read_rows, top_stable
+from .rows import RowView, read_rows, row_reads, top_stable
 from .scoring import pool_scores
 from .sparse import SparseReadPolicy, SparseState
 
@@ -29,9 +29,9 @@ class TidalState(SparseState):
     """One request's token selection."""
 
     selection_layers: frozenset[int] = frozenset()
-    visible: torch.Tensor | None = None  # [H_kv, n, L+n] each row's chosen columns (this step's)
+    reads: tuple | None = None  # this step's rows' choice as read_rows reads it (rows.row_reads)
     sparse: frozenset[int] = frozenset()  # the layers that read them (up to the next selection layer)
-    selected_at: int = -1  # cache length when ``visible`` was chosen (this step's, or stale)
+    selected_at: int = -1  # cache length when ``reads`` were chosen (this step's, or stale)
 
 
 def default_selection_layers(sliding: list[bool], dense_layers: int = 2) -> list[int]:
@@ -96,10 +96,10 @@ class TidalPolicy(SparseReadPolicy):
             upto = min(later) if later else cache.layout.layers
             # the full-attention layers up to the next selection layer read the chosen positions
             st.sparse = frozenset(i for i in range(layer + 1, upto) if not cache.layout.is_sliding(i))
-            st.visible = self.select(cache, layer, q, rows)
+            st.reads = row_reads(self.select(cache, layer, q, rows), rows, cache.layout.kv_heads)
             st.selected_at = cache.length
             return out
         if st.selected_at != cache.length or layer not in st.sparse:
             return cache.attend_all(layer, sliding, q, k, v, step)  # before this step's first selection
         cache.write(layer, k, v)
-        return read_rows(cache, layer, q, k, v, st.visible, rows, step)
+        return read_rows(cache, layer, q, k, v, st.reads, rows, step)
