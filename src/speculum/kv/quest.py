@@ -79,14 +79,16 @@ class QuestPolicy(SparseReadPolicy):
         out = torch.full((s.kv_heads, n, pages), float("-inf"), device=q.device)
         out[:, :, :done] = page_bounds(qg, st.kmin[layer, :, :done], st.kmax[layer, :, :done]).view(
             s.kv_heads, s.group, n, done).amax(1).float()
+        if pages <= done:
+            return out
         qrow = qg.view(s.kv_heads, s.group, n, -1)
+        pos = torch.arange(done * p, pages * p, device=q.device)  # the pages some row's ancestors complete
+        cols = rows.columns_of(pos.expand(n, -1))  # [n, (pages-done)*p], valid up to each row's own pages
         for i in range(n):
             mine = int(rows.positions[i]) // p
             if mine <= done:
                 continue
-            pos = torch.arange(done * p, mine * p, device=q.device)[None]  # [1, (mine-done)*p]
-            cols = rows.columns_of(pos.expand(n, -1))[i]
-            keys = cache.kv[layer, 0][:, cols].unflatten(1, (mine - done, p))  # [H_kv, extra, p, d]
+            keys = cache.kv[layer, 0][:, cols[i, : (mine - done) * p]].unflatten(1, (mine - done, p))  # [H_kv, extra, p, d]
             out[:, i, done:mine] = page_bounds(qrow[:, :, i], keys.amin(2), keys.amax(2)).amax(1).float()
         return out
 
@@ -107,7 +109,7 @@ class QuestPolicy(SparseReadPolicy):
         order = bound.sort(dim=-1, descending=True, stable=True).indices  # [H_kv, n, most]
         ranked = torch.arange(most, device=q.device).expand_as(order) < want[None, :, None]
         chosen = torch.zeros_like(ranked).scatter_(-1, order, ranked) | covered[None, :, None]
-        _, inside = rows.position_columns()
+        _, inside = rows.position_columns
         pos = torch.arange(inside.shape[1], device=q.device)
         page_of = (pos // p).clamp(max=most - 1)
         in_chosen = chosen[:, :, page_of] & (pos < pages[:, None] * p)  # [H_kv, n, P] in a chosen page

@@ -34,6 +34,7 @@ With a top-2 rule, ``r`` might choose {1, 3}, ``a`` {0, r} and ``b`` {3, r}: the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -100,6 +101,7 @@ class RowView:
         deep = (pos - L).clamp(0, anc.shape[1] - 1)
         return torch.where(pos < L, pos, anc.expand(*pos.shape[:-1], -1).gather(-1, deep))
 
+    @cached_property
     def position_columns(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's context in position order: ``cols [n, P]`` the column holding position ``p`` for
         row ``i`` (``P`` = the deepest row's position; the dummy column ``L+n`` where ``p`` is not in the
@@ -114,15 +116,15 @@ class RowView:
     def by_position(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``scores [H, n, L+n]`` over columns -> ``[H, n, P]`` over each row's context in position order
         (0 past the row's position), as a one-token step at the row's position holds them in its slots,
-        and ``inside [n, P]`` (:meth:`position_columns`)."""
-        cols, inside = self.position_columns()
+        and ``inside [n, P]`` (:attr:`position_columns`)."""
+        cols, inside = self.position_columns
         padded = torch.cat([scores, scores.new_zeros(*scores.shape[:-1], 1)], dim=-1)
         return padded.gather(-1, cols.expand(scores.shape[0], -1, -1)), inside
 
     def to_columns(self, chosen: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`by_position` for a choice: bool ``[H, n, P]`` over positions ->
         ``[H, n, L+n]`` over columns."""
-        cols, _ = self.position_columns()
+        cols, _ = self.position_columns
         out = torch.zeros(*chosen.shape[:-1], self.columns + 1, dtype=torch.int8, device=chosen.device)
         out.scatter_add_(-1, cols.expand(chosen.shape[0], -1, -1), chosen.to(torch.int8))
         return out[..., : self.columns] > 0
