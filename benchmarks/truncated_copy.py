@@ -15,7 +15,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    model, tok = load(args.model, "float32")
+    model, tok = load(args.model, "float32", weights="float")  # a savable float copy
     total = model.config.num_hidden_layers
     if not 1 <= args.layers < total:
         raise SystemExit(f"--layers must lie in 1..{total - 1}")
