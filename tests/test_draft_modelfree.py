@@ -34,11 +34,19 @@ GREEDY = SamplingParams()
 
 # -- greedy losslessness ----------------------------------------------------------------------------
 
+# each row past the root costs half the root's: a node pays above about 0.5
+HALF_COST = CostModel([1, 64], [0], [[1.0, 32.5]])
+EIGHTH_COST = CostModel([1, 65], [0], [[1.0, 9.0]])  # rows cost an eighth of the root's: nodes above 1/8 pay
+
+
 @pytest.mark.parametrize("name", ["aded", "stand"])
 def test_greedy_equals_ar(tiny_model, name):
+    """Greedy output is ar's, with the trees trimmed by the sizer on their calibrated scores."""
     runner = HFRunner(tiny_model)
     ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
-    engine = Engine(runner, DRAFTERS[name].factory(), eos_token_ids=[], max_tree=DRAFTERS[name].max_tree)
+    assert DRAFTERS[name].scored
+    engine = Engine(runner, DRAFTERS[name].factory(), eos_token_ids=[], max_tree=DRAFTERS[name].max_tree,
+                    sizer=TreeSizer(EIGHTH_COST))
     drafted = accepted = 0
     for i, prompt in enumerate(_prompts(10, 21)):
         out = engine.generate(prompt, NEW)
@@ -98,9 +106,6 @@ def _misses(drafter, tokens: list[int], tree: DraftTree, wrong: int, vocab: int 
     logits = torch.full((len(tree) + 1, vocab), -5.0)
     logits[:, wrong] = 5.0
     drafter.update(tokens + [wrong], tree, Acceptance([], [wrong]), logits)
-
-
-HALF_COST = CostModel([1, 64], [0], [[1.0, 32.5]])  # each row past the root costs half the root's: a node pays above 0.5
 
 
 def test_aded_scores_are_calibrated_by_the_targets_hits():
