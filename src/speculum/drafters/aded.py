@@ -246,22 +246,28 @@ class AdedDrafter(Drafter):
         for n in path:
             n.visits += 1
             n.value_sum += value
-        for n in reversed(path[:-1]):  # a parent is exhausted once all its children are
-            if n.candidates is not None and len(n.children) == len(n.candidates) \
-                    and all(ch.exhausted for ch in n.children.values()):
-                n.exhausted = True
+        # a parent is exhausted once all its children are; a node left open keeps its ancestors open,
+        # so the walk up stops there (only a dead end can close anything)
+        for n in reversed(path[:-1]):
+            if not (n.candidates is not None and len(n.children) == len(n.candidates)
+                    and all(ch.exhausted for ch in n.children.values())):
+                break
+            n.exhausted = True
 
     def _select(self, node: _Node) -> tuple[int, float, int] | None:
         """``(token, P, rank)``: the continuation of ``node`` with the largest PUCT value (not
         exhausted), or None."""
         explore = self.c_puct * math.sqrt(max(node.visits, 1))
-        best, best_value = None, -math.inf
+        best, best_value = -1, -math.inf
+        children = node.children
         for rank, (token, prior) in enumerate(node.candidates):
-            child = node.children.get(token)
-            if child is not None and child.exhausted:
+            child = children.get(token)
+            if child is None:
+                value = explore * prior  # Q = 0, N = 0
+            elif child.exhausted:
                 continue
-            visits, q = (child.visits, child.q) if child is not None else (0, 0.0)
-            value = q + explore * prior / (1 + visits)
+            else:
+                value = child.q + explore * prior / (1 + child.visits)
             if value > best_value:
-                best, best_value = (token, prior, rank), value
-        return best
+                best, best_value = rank, value
+        return None if best < 0 else (*node.candidates[best], best)
