@@ -26,6 +26,7 @@ from speculum.engine import Engine
 from speculum.runners import HFRunner, NativeRunner
 from speculum.sampling import SamplingParams
 from speculum.tree import DraftTree
+from speculum.tree_sizing import CostModel, TreeSizer
 from speculum.verify import Acceptance, Verifier
 
 GREEDY = SamplingParams()
@@ -33,11 +34,19 @@ GREEDY = SamplingParams()
 
 # -- greedy losslessness ----------------------------------------------------------------------------
 
+# each row past the root costs half the root's: a node pays above about 0.5
+HALF_COST = CostModel([1, 64], [0], [[1.0, 32.5]])
+EIGHTH_COST = CostModel([1, 65], [0], [[1.0, 9.0]])  # rows cost an eighth of the root's: nodes above 1/8 pay
+
+
 @pytest.mark.parametrize("name", ["aded", "stand"])
 def test_greedy_equals_ar(tiny_model, name):
+    """Greedy output is ar's, with the trees trimmed by the sizer on their calibrated scores."""
     runner = HFRunner(tiny_model)
     ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
-    engine = Engine(runner, DRAFTERS[name].factory(), eos_token_ids=[], max_tree=DRAFTERS[name].max_tree)
+    assert DRAFTERS[name].scored
+    engine = Engine(runner, DRAFTERS[name].factory(), eos_token_ids=[], max_tree=DRAFTERS[name].max_tree,
+                    sizer=TreeSizer(EIGHTH_COST))
     drafted = accepted = 0
     for i, prompt in enumerate(_prompts(10, 21)):
         out = engine.generate(prompt, NEW)
@@ -87,11 +96,31 @@ def test_aded_trigram_matrix_and_mcts_order():
     # iterations 1-3 go deep along the likeliest path (PUCT re-enters c: 2/3 + 2/3 * 1/2 > 1/3)
     tree = drafter.propose(TEXT, 3)
     assert (tree.tokens, tree.parents) == ([C, A, B], [-1, 0, 1])
-    assert tree.scores == pytest.approx([2 / 3] * 3)
     # d enters beside c once c's deeper, less likely nodes have pulled its mean value down
     tree = drafter.propose(TEXT, 7)
     assert tree.tokens[:6] == [C, A, B, C, A, B] and (tree.tokens[6], tree.parents[6]) == (D, -1)
-    assert tree.scores[3] == pytest.approx(4 / 9) and tree.scores[6] == pytest.approx(1 / 3)
+
+
+def _misses(drafter, tokens: list[int], tree: DraftTree, wrong: int, vocab: int = 32) -> None:
+    """One verified step in which the target's next token is ``wrong`` after every node: nothing accepted."""
+    logits = torch.full((len(tree) + 1, vocab), -5.0)
+    logits[:, wrong] = 5.0
+    drafter.update(tokens + [wrong], tree, Acceptance([], [wrong]), logits)
+
+
+def test_aded_scores_are_calibrated_by_the_targets_hits():
+    drafter = AdedDrafter()
+    drafter.reset(TEXT, GREEDY, None)
+    tree = drafter.propose(TEXT, 3)
+    # before any observation: the decile midpoints of P (2/3 -> 0.65, then 1 -> 0.95) multiplied along the path
+    assert tree.scores == pytest.approx([0.65, 0.65 * 0.95, 0.65 * 0.95 ** 2])
+    assert [tag[0] for tag in tree.tags] == ["aded"] * 3
+    assert len(TreeSizer(HALF_COST).select(tree, 16)) == 3  # likely enough to pay for its rows
+    for _ in range(8):  # the target never writes c after "a b"
+        _misses(drafter, TEXT, drafter.propose(TEXT, 3), wrong=D)
+    tree = drafter.propose(TEXT, 3)
+    assert tree.tokens == [C, A, B] and tree.scores[0] < 0.25  # the search is unchanged, its scores fell
+    assert len(TreeSizer(HALF_COST).select(tree, 16)) == 0
 
 
 def test_aded_explores_more_with_larger_c_puct():
@@ -167,6 +196,22 @@ def test_stand_greedy_drafts_the_argmax_tree():
     tree = drafter.propose([THE, CAT], 8)
     assert tree.draft_probs is None  # point masses: the greedy walk verifies them
     assert (tree.tokens, tree.parents) == ([SAT, RAN, ON, AWAY], [-1, -1, 0, 1])
+
+
+def test_stand_greedy_scores_are_calibrated_and_sampled_trees_carry_none():
+    drafter = _stand_with_example()
+    tree = drafter.propose([THE, CAT], 8)
+    # before any observation: decile midpoints of q (0.6 -> 0.65, 0.3 -> 0.35, 0.9 -> 0.95, 1 -> 0.95)
+    assert tree.scores == pytest.approx([0.65, 0.35, 0.65 * 0.95, 0.35 * 0.95])
+    assert len(TreeSizer(HALF_COST).select(tree, 16)) == 2  # "sat" and "on" pay for their rows
+    _misses(drafter, [THE, CAT], drafter.propose([THE, CAT], 2), wrong=IS)  # the target writes "is"
+    assert drafter.rates.stats == {tree.tags[0][1]: [0.0, 1.0], tree.tags[1][1]: [0.0, 1.0]}
+    assert drafter.rates.p(tree.tags[0][1]) < 0.65 and drafter.rates.p(tree.tags[1][1]) < 0.35
+    again = drafter.propose([THE, CAT], 8)
+    for i, p in enumerate(again.parents):
+        assert again.scores[i] == pytest.approx((again.scores[p] if p >= 0 else 1.0) * drafter.rates.p(again.tags[i][1]))
+    sampled = _stand_with_example(SamplingParams(temperature=1.0)).propose([THE, CAT], 8)
+    assert sampled.scores is None  # a score depending on the draw would bias it: sampled trees are not sized
 
 
 def test_stand_prompt_ngrams_draft_from_counts():

@@ -119,9 +119,10 @@ DRAFTERS: dict[str, DrafterEntry] = {
     "recycling_scored": DrafterEntry(partial(RecyclingDrafter, tree="scored", pair_context=True),
                                      "speculum's Token Recycling: best-first tree, token-pair table", scored=True),
     "aded": DrafterEntry(AdedDrafter, "ADED: an adaptive tri-gram matrix of the text drafted by Monte-Carlo tree "
-                         "search (model-free)", max_tree=32),
+                         "search (model-free), calibrated scores", scored=True, max_tree=32),
     "stand": DrafterEntry(StandDrafter, "STAND: n-grams that keep the target's distributions; sampled drafts "
-                          "carry q, siblings by Gumbel-top-k (model-free)", max_tree=24),
+                          "carry q, siblings by Gumbel-top-k (model-free); greedy trees sized by calibrated scores",
+                          scored=True, max_tree=24),
     "mix": DrafterEntry(_mix, "suffix_merged and recycling_scored candidates in one tree", scored=True),
     "auto": DrafterEntry(_auto, "a bandit over mix / ngram / the learned drafters / none by measured tokens per second",
                          scored=True, needs_target=True, remembers_arms=True),

@@ -39,8 +39,18 @@ stored distributions are merged by summing their ``top_k`` probabilities (a runn
 ``2 * top_k`` tokens; the tree is grown best-first by the product of q along the path with
 ``widths[d]`` children at depth ``d + 1`` (the paper fits a static tree shape offline to its models;
 these widths are an option). The defaults (``max_ngram = 4``, ``top_k = 8``, ``widths = (3, 2, 2, 1)``,
-``max_depth = 10``, 24 nodes per step from the registry) are speculum's: a 2-core CPU pays for
-every verified row, so the tree stays small.
+``max_depth = 10``, 24 nodes per step from the registry) are speculum's.
+
+Sizing (speculum's addition, not the paper's). Greedy trees carry a *calibrated* score per node for
+the engine's tree sizer (:class:`~speculum.tree_sizing.TreeSizer`): the parent's score times the
+learnt rate at which tokens drafted with the same features were the target's next token
+(:class:`~speculum.drafters.hit_rates.HitRates`, shared across requests); the features are the
+length of the n-gram that matched, the decile of the token's q and how much the n-gram's entry
+holds (one observation, 2-3, 4-10, more). Before any observation a key's rate is its decile's
+midpoint. The sizer then keeps the prefix of nodes worth their rows on this hardware. Sampled
+trees carry no scores and are verified whole: the sizer keeps nodes by score, and a score that
+depends on the drawn token would make a node's presence depend on its own draw, which biases
+the draws the verifier corrects with ``q``.
 
 Example (``top_k = 3``, ``widths = (2, 1)``): after ``... the cat`` the target gave ``sat 0.6, ran 0.3,
 is 0.1``, after ``cat sat`` ``on 0.9, down 0.1`` and after ``cat ran`` ``away 1.0``. Greedy drafts ``sat`` and
@@ -60,8 +70,27 @@ import torch
 from ..tree import DraftTree
 from ..verify import Acceptance
 from .base import Drafter
+from .hit_rates import HitRates, record_tree
 
 Dist = list[tuple[int, float]]  # [(token, probability)] best first, probabilities summing to 1
+SOURCE = "stand"
+
+
+def _mass_bucket(mass: float) -> int:
+    """Bucket of a table entry's summed probability (about its observation count): 0 up to 1,
+    1 up to 3, 2 up to 10, 3 above."""
+    return 0 if mass <= 1.0 + 1e-6 else 1 if mass <= 3.0 + 1e-6 else 2 if mass <= 10.0 + 1e-6 else 3
+
+
+def _decile(p: float) -> int:
+    """``p``'s decile, 0-9 (a value a rounding error below a boundary counts as on it)."""
+    return min(int(p * 10 + 1e-6), 9)
+
+
+def _prior(key: tuple[int, int, int]) -> float:
+    """A key ``(n-gram length, decile of q, mass bucket)``'s hit rate before any observation: the
+    midpoint of its decile."""
+    return (key[1] + 0.5) / 10
 
 
 class StandDrafter(Drafter):
@@ -90,6 +119,8 @@ class StandDrafter(Drafter):
         # n-gram -> {next token: summed probability}, shared by forks and kept across requests
         self.table: dict[tuple[int, ...], dict[int, float]] = {}
         self.vocab: int | None = None  # the logits' width, once seen
+        # P(a greedy draft is the target's next token | its features), shared by forks and requests
+        self.rates = HitRates(prior=_prior)
 
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
@@ -121,19 +152,25 @@ class StandDrafter(Drafter):
     def lookup(self, context: list[int]) -> Dist:
         """The draft distribution after ``context``: the stored one of the longest n-gram ending it,
         its ``top_k`` tokens renormalized (ties: the smaller token), or ``[]``."""
+        return self._lookup(context)[0]
+
+    def _lookup(self, context: list[int]) -> tuple[Dist, int, float]:
+        """:meth:`lookup`, the length of the n-gram that matched and its entry's summed probability."""
         for n in self.sizes:
             if n <= len(context):
                 entry = self.table.get(tuple(context[len(context) - n:]))
                 if entry:
                     best = sorted(entry.items(), key=lambda tp: (-tp[1], tp[0]))[:self.top_k]
                     total = sum(p for _, p in best)
-                    return [(t, p / total) for t, p in best if p > 0]
-        return []
+                    return [(t, p / total) for t, p in best if p > 0], n, sum(entry.values())
+        return [], 0, 0.0
 
     def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits: torch.Tensor) -> None:
         """Store the target's distributions of the root's and the accepted nodes' rows under the
-        committed text that precedes each."""
+        committed text that precedes each, and record which scored nodes were the target's next token."""
         self.vocab = logits.shape[-1]
+        if tree.scores is not None:
+            record_tree(self.rates, SOURCE, tree, logits, acceptance)
         start = len(tokens) - len(acceptance.tokens)  # the root is tokens[start - 1]
         if start < 1 or tokens[start:] != acceptance.tokens:
             return  # a grammar rewrote the step's tokens: the rows no longer match the text
@@ -162,25 +199,33 @@ class StandDrafter(Drafter):
         out, parents = [], []
         qs: list[Dist] = []  # each node's conditional draft distribution (sampled trees)
         paths: list[list[int]] = []
+        scores: list[float] = []  # greedy trees: calibrated acceptance estimates (see the module doc)
+        tags: list = []
         heap = [(-1.0, -1, 0)]  # (-path probability, node (-1: the root), depth of the node)
         while heap and len(out) < budget:
             neg, node, depth = heapq.heappop(heap)
             path = paths[node] if node >= 0 else []
-            dist = self.lookup(tail + path)
+            dist, n, mass = self._lookup(tail + path)
             if not dist:
                 continue
             # how many children: fixed by the depth and the room left, never by the tokens drawn
             width = min(self.widths[min(depth, len(self.widths) - 1)], len(dist), budget - len(out))
             picks = gumbel_top_k(dist, width, rng) if sampled else [(t, p, dist) for t, p in dist[:width]]
+            parent_score = scores[node] if node >= 0 and not sampled else 1.0
             for tok, prob, q in picks:
                 out.append(tok)
                 parents.append(node)
                 qs.append(q)
                 paths.append(path + [tok])
+                if not sampled:
+                    key = (n, _decile(prob), _mass_bucket(mass))
+                    scores.append(parent_score * self.rates.p(key))
+                    tags.append((SOURCE, key))
                 if depth + 1 < self.max_depth:
                     heapq.heappush(heap, (neg * prob, len(out) - 1, depth + 1))
-        draft_probs = self._dense(qs) if sampled and out else None
-        return DraftTree(out, parents, draft_probs)
+        if sampled:
+            return DraftTree(out, parents, self._dense(qs) if out else None)
+        return DraftTree(out, parents, None, scores, tags)
 
     def _dense(self, qs: list[Dist]) -> torch.Tensor:
         """``[n, V]`` float32 rows of the sparse distributions ``qs``: a view of this request's buffer
