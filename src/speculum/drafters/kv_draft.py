@@ -13,7 +13,17 @@ of it (:class:`~speculum.drafting.self_forward.DraftView`):
   pages of ``page`` (16) entries per KV head from between them, picked at every draft forward and
   layer by the upper bound of the draft's own attention scores over each page (Quest, Tang et al.
   2024; the pages' key bounds are taken once the prompt is in): the selection follows what the
-  draft is writing, at the price of scoring the pages in every forward.
+  draft is writing, at the price of scoring the pages in every forward;
+- ``duo``: DuoAttention's head split (Xiao et al. 2024, the gates of :mod:`speculum.kv.duo_attention`,
+  ``gates`` a file or those shipped for the model): on full-attention layers the ``retrieval`` percent
+  (25) of the gated KV heads with the highest gates read everything, the others the sinks and the
+  window (by default the pattern the gates were learned with: 64 + 256 for the shipped ones);
+- ``tidal``: TidalDecode's selection (Yang et al. 2024, :mod:`speculum.kv.tidal`'s selection layers,
+  placed after ``dense`` (2) layers): full-attention layers read everything up to the first selection
+  layer and at each one, which picks ``selected`` (512) entries per KV head from between the sinks and
+  the window (256) by the draft rows' attention; the layers after it read those, the sinks and the
+  window: the selection follows what the draft is writing, at the price of a few layers reading
+  the whole cache.
 
 With a long prompt, a draft step then reads a few hundred entries instead of the whole context, while the
 output is exactly full-cache decoding's. The draft's weights are also quantized, ``bits`` 4 (the
@@ -31,14 +41,16 @@ import torch
 
 from ..drafting.quantized_copy import quantized_layers
 from ..drafting.self_forward import DraftView, SelfDraft
+from ..drafting.duo_view import draft_gates, draft_retrieval
 from ..errors import SpeculumError
+from ..kv.tidal import default_selection_layers
 from ..options import parse_named
 from .self_draft import SelfDrafter
 
-KV_DRAFT_POLICIES = ("streaming", "snapkv", "quest")
-# the integer options a spec may set
+KV_DRAFT_POLICIES = ("streaming", "snapkv", "quest", "duo", "tidal")
+# the integer options a spec may set (and ``gates``, duo's gates file)
 KV_DRAFT_OPTIONS = ("sink", "window", "selected", "observe", "pages", "page", "bits", "depth", "top_k", "trim",
-                    "lookup")
+                    "lookup", "retrieval", "dense")
 
 
 def kv_draft_options(spec: str) -> dict:
@@ -49,6 +61,9 @@ def kv_draft_options(spec: str) -> dict:
         raise SpeculumError(f"unknown kv-draft policy {name!r}; choose from {', '.join(KV_DRAFT_POLICIES)}")
     options: dict = {"policy": name}
     for key, value in raw.items():
+        if key == "gates" and name == "duo":
+            options[key] = value
+            continue
         if key not in KV_DRAFT_OPTIONS:
             raise SpeculumError(f"unknown kv-draft option {key!r}; choose from {', '.join(KV_DRAFT_OPTIONS)}")
         try:
@@ -65,20 +80,35 @@ def kv_draft_options(spec: str) -> dict:
 class KVDraftDrafter(SelfDrafter):
     name = "kv_draft"
 
-    def __init__(self, target: torch.nn.Module, policy: str = "streaming", sink: int = 4, window: int | None = None,
-                 selected: int = 512, observe: int = 32, pages: int = 32, page: int = 16, bits: int = 4, depth: int = 6,
-                 exit_confidence: float = 0.5, **options):
+    def __init__(self, target: torch.nn.Module, policy: str = "streaming", sink: int | None = None,
+                 window: int | None = None, selected: int = 512, observe: int = 32, pages: int = 32, page: int = 16,
+                 bits: int = 4, depth: int = 6, exit_confidence: float = 0.5, gates="auto", retrieval: int = 25,
+                 dense: int = 2, layers: tuple[int, ...] | None = None, **options):
+        """``gates``, ``retrieval`` (a percent): ``duo``'s; ``dense``, ``layers`` (the selection layers,
+        default :func:`~speculum.kv.tidal.default_selection_layers`): ``tidal``'s."""
         if policy not in KV_DRAFT_POLICIES:
             raise SpeculumError(f"unknown kv-draft policy {policy!r}; choose from {', '.join(KV_DRAFT_POLICIES)}")
-        if window is None:
-            window = 512 if policy == "streaming" else 256
-        if sink < 0 or min(window, selected, observe, pages, page) < 1:
-            raise SpeculumError("a kv-draft view needs sink >= 0 and window, selected, observe, pages, page >= 1 "
-                                f"(got {sink}, {window}, {selected}, {observe}, {pages}, {page})")
         super().__init__(target, depth=depth, exit_confidence=exit_confidence, **options)
+        duo = draft_gates(target, gates) if policy == "duo" else None
+        if sink is None:
+            sink = duo.sinks if duo is not None else 4
+        if window is None:
+            window = duo.window if duo is not None else 512 if policy == "streaming" else 256
+        if sink < 0 or min(window, selected, observe, pages, page) < 1 or not 0 <= retrieval <= 100 or dense < 0:
+            raise SpeculumError("a kv-draft view needs sink >= 0, window, selected, observe, pages, page >= 1, "
+                                f"retrieval in 0..100 and dense >= 0 (got {sink}, {window}, {selected}, {observe}, "
+                                f"{pages}, {page}, {retrieval}, {dense})")
         weights = head = None
         if bits != 16:
             weights, head = quantized_layers(self.decoder, bits), self.draft_head(target, bits)
+        sliding = [layer.sliding for layer in self.decoder.layers]
+        if policy == "tidal" and layers is None:
+            layers = default_selection_layers(sliding, dense)
+        if policy == "tidal" and any(not 0 <= i < len(sliding) or sliding[i] for i in layers):
+            raise SpeculumError(f"tidal's selection layers {list(layers)} must be full-attention layers of the model")
         view = DraftView(sink, window, selected if policy == "snapkv" else 0, observe,
-                         pages=pages if policy == "quest" else 0, page=page)
+                         pages=pages if policy == "quest" else 0, page=page,
+                         retrieval=draft_retrieval(duo, self.decoder.layout, retrieval / 100) if duo else None,
+                         tidal=tuple(sorted(layers)) if policy == "tidal" else (),
+                         tokens=selected if policy == "tidal" else 0)
         self.model = SelfDraft(self.decoder, weights=weights, head=head, view=view)

@@ -8,7 +8,9 @@ values the *target* computed for the committed tokens:
 - a compressed view of the committed entries (long-context drafting, TriForce / MagicDec style):
   StreamingLLM's first ``sink`` and last ``window`` entries instead of all of them, and on
   full-attention layers optionally SnapKV's selection from between them, or Quest's pages picked
-  per forward by the draft's own queries (:class:`DraftView`).
+  per forward by the draft's own queries; or DuoAttention's split, the retrieval heads reading
+  everything (:mod:`.duo_view`); or TidalDecode's entries picked at selection layers for the layers
+  after them (:mod:`.tidal_view`) (:class:`DraftView`).
 
 Drafted tokens write their keys and values (of the layers that run) into the target cache's free
 slots after the committed ones, ``length + used ..``, where the verification forward writes its own
@@ -43,6 +45,8 @@ from ..cache.store import FunctionStore, put
 from ..errors import SpeculumError
 from ..kv.scoring import page_bounds, pool_scores, top_slots
 from ..runners.decoder import Layer, NativeDecoder
+from .duo_view import duo_attend, head_runs
+from .tidal_view import select_and_attend, sparse_keys
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,14 @@ class DraftView:
     neighbours), picked once per request after its prefill; or ``pages`` pages of ``page`` entries
     per KV head, picked at every draft forward and layer by the upper bound of the rows' attention
     scores over each page (Quest: the page's channel-wise key minimum and maximum, taken after the
-    prefill)."""
+    prefill).
+
+    Or, with ``retrieval`` (DuoAttention), per layer the KV heads that read every committed entry;
+    the other heads of full-attention layers read the sinks and the window. Or, with ``tidal``
+    (TidalDecode's selection layers), full-attention layers read everything up to the first
+    selection layer and at each one, which picks ``tokens`` entries per KV head from between the
+    sinks and the window (scores max-pooled over ``kernel``) for the full-attention layers after it
+    to read with the sinks and the window."""
 
     sink: int = 4
     window: int | None = None
@@ -63,11 +74,15 @@ class DraftView:
     kernel: int = 7
     pages: int = 0
     page: int = 16
+    retrieval: tuple[tuple[int, ...], ...] | None = None
+    tidal: tuple[int, ...] = ()
+    tokens: int = 0
 
     @property
     def buffered(self) -> bool:
-        """Whether the full-attention layers read a :class:`ViewBuffer` (a window, no Quest pages)."""
-        return self.window is not None and not self.pages
+        """Whether the full-attention layers read a :class:`ViewBuffer` (a window; no Quest pages, no
+        DuoAttention heads, no TidalDecode selection)."""
+        return self.window is not None and not self.pages and self.retrieval is None and not self.tidal
 
     def spans(self, length: int) -> list[tuple[int, int]]:
         """Committed slot ranges ``[(lo, hi)]`` read with ``length`` committed entries."""
@@ -305,6 +320,14 @@ class SelfDraft:
         else:
             full_seen = seen
         masks = {False: grouped(after(full_seen), s.group, dec.dtype), True: None}
+        view = self.view
+        # a DuoAttention or TidalDecode view: some full-attention reads take every committed entry
+        whole_mask = grouped(after(length), s.group, dec.dtype) if committed is None and (
+            view.retrieval is not None or view.tidal) else None
+        tidal = (whole_mask is not None and bool(view.tidal) and view.window is not None
+                 and length > view.sink + view.window + view.tokens)  # else every full-attention layer reads all
+        sparse_mask = grouped(after(view.sink + view.tokens + view.window), s.group, dec.dtype) if tidal else None
+        chosen: list[torch.Tensor | None] = [None]  # the last selection layer's entries [H_kv, tokens]
         if s.sliding_window is not None:
             key_pos = torch.cat([torch.arange(lo, hi, device=dec.device) for lo, hi in spans]
                                 + [self.pending_pos, positions])
@@ -332,6 +355,23 @@ class SelfDraft:
                 idx = self._pages(i, q)[..., None].expand(-1, -1, s.head_dim)  # [H_kv, B, d]
                 return dec.attend(q, paged_keys(kv[i, 0], kv[i, 0].gather(1, idx)),
                                   paged_keys(kv[i, 1], kv[i, 1].gather(1, idx)), masks[False])
+            if whole_mask is not None and not sliding:
+                if view.retrieval is not None:  # retrieval heads read everything, streaming heads the view
+                    everything = (kv[i, 0, :, :at + n], kv[i, 1, :, :at + n], whole_mask)
+                    if contiguous:
+                        return dec.attend(q, *everything)
+                    return duo_attend(dec.attend, q, head_runs(view.retrieval[i], s.kv_heads), s.group, everything,
+                                      (keys(kv[i, 0]), keys(kv[i, 1]), masks[False]))
+                if tidal and i in view.tidal:  # a selection layer: read everything, pick for the next layers
+                    out, chosen[0] = select_and_attend(q, kv[i, 0, :, :at + n], kv[i, 1, :, :at + n], whole_mask,
+                                                       s.attn_scale, s.attn_softcap, view.sink,
+                                                       length - view.window, view.tokens, view.kernel)
+                    return out
+                if tidal and chosen[0] is not None:  # after a selection layer: sinks, its entries, the window
+                    recent, picked = length - view.window, chosen[0]
+                    return dec.attend(q, sparse_keys(kv[i, 0], view.sink, picked, recent, at + n),
+                                      sparse_keys(kv[i, 1], view.sink, picked, recent, at + n), sparse_mask)
+                return dec.attend(q, kv[i, 0, :, :at + n], kv[i, 1, :, :at + n], whole_mask)
             return dec.attend(q, keys(kv[i, 0]), keys(kv[i, 1]), masks[sliding])
 
         h = dec.embed_ids(ids)
