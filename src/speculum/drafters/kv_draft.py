@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import torch
 
+from ..drafting.duo_view import draft_gates, draft_retrieval
 from ..drafting.quantized_copy import quantized_layers
 from ..drafting.self_forward import DraftView, SelfDraft
-from ..drafting.duo_view import draft_gates, draft_retrieval
 from ..errors import SpeculumError
 from ..kv.tidal import default_selection_layers
 from ..options import parse_named
@@ -61,7 +61,9 @@ def kv_draft_options(spec: str) -> dict:
         raise SpeculumError(f"unknown kv-draft policy {name!r}; choose from {', '.join(KV_DRAFT_POLICIES)}")
     options: dict = {"policy": name}
     for key, value in raw.items():
-        if key == "gates" and name == "duo":
+        if key == "gates":
+            if name != "duo":
+                raise SpeculumError("kv-draft option gates (a DuoAttention gates file) is the duo view's")
             options[key] = value
             continue
         if key not in KV_DRAFT_OPTIONS:
