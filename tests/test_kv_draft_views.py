@@ -1,4 +1,4 @@
-"""``kv_draft``'s DuoAttention and TidalDecode views: greedy output equal to ``ar``'s (chains and
+"""``kv_draft``'s DuoAttention, TidalDecode and TokenSelect views: greedy output equal to ``ar``'s (chains and
 trees, tiny Llama and Gemma-3 past its window), the draft rows reading exactly what each view's
 rule says (logits against attention under per-head masks over the whole cache, float32), and clear
 refusals."""
@@ -41,10 +41,10 @@ def prompts(seed: int, n: int = 3) -> list[list[int]]:
 def view_options(policy: str, model) -> dict:
     if policy == "duo":
         return {"policy": "duo", "gates": random_gates(model), "retrieval": 50}
-    return {"policy": "tidal", "sink": 1, "window": 4, "selected": 3}
+    return {"policy": policy, "sink": 1, "window": 4, "selected": 3}
 
 
-@pytest.mark.parametrize("policy", ["duo", "tidal"])
+@pytest.mark.parametrize("policy", ["duo", "tidal", "tokenselect"])
 @pytest.mark.parametrize("top_k", [1, 4])
 @pytest.mark.parametrize("make", [lambda: tiny_llama(layers=4), tiny_gemma3], ids=["llama", "gemma3"])
 def test_greedy_view_drafts_equal_ar(policy, top_k, make):
@@ -158,6 +158,44 @@ def test_tidal_view_reads_the_selection_layers_top_entries():
     assert set(chosen) == {1, 3}
 
 
+def test_tokenselect_view_reads_each_layers_most_voted_entries():
+    """Layers 0 and 1 read everything; layers 2 and 3 each read the sinks, the window and the
+    ``selected`` entries between them with the most head soft votes (each query head's softmax of raw
+    q.k over the candidates, summed over heads and rows), the same for both KV heads; with
+    ``threshold`` 0 the next forward reuses each layer's vote, with 101 it votes again."""
+    sink, window, selected = 1, 4, 3
+    draft = _drafter_after_request("tokenselect", sink=sink, window=window, selected=selected, threshold=101)
+    length, s = draft.cache.length, draft.decoder.shape
+    voted = {}
+
+    def visible_of(i, q, keys, values, causal):
+        n = len(causal)
+        if i < 2:
+            return torch.cat([torch.ones(n, length, dtype=torch.bool), causal], dim=1).expand(s.kv_heads, -1, -1)
+        lo, hi = sink, length - window
+        dots = torch.einsum("nhd,hcd->hnc", q.float().view(n, s.kv_heads, s.group, -1).flatten(1, 2),
+                            keys[:, lo:hi].float().repeat_interleave(s.group, 0))  # [H, n, C]
+        voted[i] = dots.softmax(-1).sum((0, 1)).topk(selected).indices + lo
+        mine = (torch.arange(length) < sink) | (torch.arange(length) >= hi)
+        mine[voted[i]] = True
+        return torch.cat([mine.expand(n, -1), causal], dim=1).expand(s.kv_heads, -1, -1)
+
+    ids = [5, 9, 2]
+    got = _draft_logits(draft, ids)
+    torch.testing.assert_close(got, _masked_reference(draft, ids, visible_of), rtol=1e-5, atol=1e-5)
+    assert sorted(voted) == [2, 3]
+    assert all(sorted(draft.votes.anchors[i].positions.tolist()) == sorted(voted[i].tolist()) for i in (2, 3))
+    before = {i: a for i, a in draft.votes.anchors.items()}
+    draft.begin(draft.cache, 1)
+    draft.run(torch.tensor([7]), torch.tensor([length]), torch.ones(1, 1, dtype=torch.bool))
+    assert all(draft.votes.anchors[i] is not before[i] for i in (2, 3))  # alike or not: 101 votes again
+    draft.votes.threshold = 0.0
+    before = {i: a for i, a in draft.votes.anchors.items()}
+    draft.begin(draft.cache, 1)
+    draft.run(torch.tensor([11]), torch.tensor([length]), torch.ones(1, 1, dtype=torch.bool))
+    assert all(draft.votes.anchors[i] is before[i] for i in (2, 3))  # the Selection Cache: the last vote again
+
+
 def test_view_options_and_refusals():
     model = tiny_llama(layers=4)
     assert kv_draft_options("duo:gates=g.json,retrieval=50") == {"policy": "duo", "gates": "g.json", "retrieval": 50}
@@ -168,6 +206,9 @@ def test_view_options_and_refusals():
         build_method("kv_draft", model, None, policy="duo")
     with pytest.raises(SpeculumError, match="do not fit"):
         build_method("kv_draft", model, None, policy="duo", gates=random_gates(tiny_llama(layers=2)))
+    assert kv_draft_options("tokenselect:threshold=95") == {"policy": "tokenselect", "threshold": 95}
+    with pytest.raises(SpeculumError, match="threshold in 0..101"):
+        build_method("kv_draft", model, None, policy="tokenselect", threshold=-1)
     with pytest.raises(SpeculumError, match="retrieval in 0..100"):
         build_method("kv_draft", model, None, policy="duo", gates=random_gates(model), retrieval=101)
     with pytest.raises(SpeculumError, match="full-attention layers"):

@@ -23,7 +23,12 @@ of it (:class:`~speculum.drafting.self_forward.DraftView`):
   layer and at each one, which picks ``selected`` (512) entries per KV head from between the sinks and
   the window (256) by the draft rows' attention; the layers after it read those, the sinks and the
   window: the selection follows what the draft is writing, at the price of a few layers reading
-  the whole cache.
+  the whole cache;
+- ``tokenselect``: TokenSelect's head soft voting (Wu et al. 2024, :mod:`speculum.kv.tokenselect`):
+  full-attention layers from ``dense`` (2) on read the sinks, the window (256) and the ``selected``
+  (512) entries between them with the most votes from the draft rows' queries, one choice per layer
+  for all its heads, a layer's last vote reused while the queries' cosine similarity with the ones
+  that cast it stays at least ``threshold`` percent (90; the Selection Cache).
 
 With a long prompt, a draft step then reads a few hundred entries instead of the whole context, while the
 output is exactly full-cache decoding's. The draft's weights are also quantized, ``bits`` 4 (the
@@ -47,10 +52,10 @@ from ..kv.tidal import default_selection_layers
 from ..options import parse_named
 from .self_draft import SelfDrafter
 
-KV_DRAFT_POLICIES = ("streaming", "snapkv", "quest", "duo", "tidal")
+KV_DRAFT_POLICIES = ("streaming", "snapkv", "quest", "duo", "tidal", "tokenselect")
 # the integer options a spec may set (and ``gates``, duo's gates file)
 KV_DRAFT_OPTIONS = ("sink", "window", "selected", "observe", "pages", "page", "bits", "depth", "top_k", "trim",
-                    "lookup", "retrieval", "dense")
+                    "lookup", "retrieval", "dense", "threshold")
 
 
 def kv_draft_options(spec: str) -> dict:
@@ -85,9 +90,10 @@ class KVDraftDrafter(SelfDrafter):
     def __init__(self, target: torch.nn.Module, policy: str = "streaming", sink: int | None = None,
                  window: int | None = None, selected: int = 512, observe: int = 32, pages: int = 32, page: int = 16,
                  bits: int = 4, depth: int = 6, exit_confidence: float = 0.5, gates="auto", retrieval: int = 25,
-                 dense: int = 2, layers: tuple[int, ...] | None = None, **options):
+                 dense: int = 2, layers: tuple[int, ...] | None = None, threshold: int = 90, **options):
         """``gates``, ``retrieval`` (a percent): ``duo``'s; ``dense``, ``layers`` (the selection layers,
-        default :func:`~speculum.kv.tidal.default_selection_layers`): ``tidal``'s."""
+        default :func:`~speculum.kv.tidal.default_selection_layers`): ``tidal``'s; ``dense``,
+        ``threshold`` (a percent): ``tokenselect``'s."""
         if policy not in KV_DRAFT_POLICIES:
             raise SpeculumError(f"unknown kv-draft policy {policy!r}; choose from {', '.join(KV_DRAFT_POLICIES)}")
         super().__init__(target, depth=depth, exit_confidence=exit_confidence, **options)
@@ -96,10 +102,12 @@ class KVDraftDrafter(SelfDrafter):
             sink = duo.sinks if duo is not None else 4
         if window is None:
             window = duo.window if duo is not None else 512 if policy == "streaming" else 256
-        if sink < 0 or min(window, selected, observe, pages, page) < 1 or not 0 <= retrieval <= 100 or dense < 0:
+        if (sink < 0 or min(window, selected, observe, pages, page) < 1 or not 0 <= retrieval <= 100 or dense < 0
+                or not 0 <= threshold <= 101):
             raise SpeculumError("a kv-draft view needs sink >= 0, window, selected, observe, pages, page >= 1, "
-                                f"retrieval in 0..100 and dense >= 0 (got {sink}, {window}, {selected}, {observe}, "
-                                f"{pages}, {page}, {retrieval}, {dense})")
+                                "retrieval in 0..100, dense >= 0 and threshold in 0..101 (got "
+                                f"{sink}, {window}, {selected}, {observe}, {pages}, {page}, {retrieval}, {dense}, "
+                                f"{threshold})")
         weights = head = None
         if bits != 16:
             weights, head = quantized_layers(self.decoder, bits), self.draft_head(target, bits)
@@ -112,5 +120,6 @@ class KVDraftDrafter(SelfDrafter):
                          pages=pages if policy == "quest" else 0, page=page,
                          retrieval=draft_retrieval(duo, self.decoder.layout, retrieval / 100) if duo else None,
                          tidal=tuple(sorted(layers)) if policy == "tidal" else (),
-                         tokens=selected if policy == "tidal" else 0)
+                         tokens=selected if policy in ("tidal", "tokenselect") else 0,
+                         vote_from=dense if policy == "tokenselect" else None, threshold=threshold / 100)
         self.model = SelfDraft(self.decoder, weights=weights, head=head, view=view)

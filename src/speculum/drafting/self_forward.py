@@ -10,7 +10,8 @@ values the *target* computed for the committed tokens:
   full-attention layers optionally SnapKV's selection from between them, or Quest's pages picked
   per forward by the draft's own queries; or DuoAttention's split, the retrieval heads reading
   everything (:mod:`.duo_view`); or TidalDecode's entries picked at selection layers for the layers
-  after them (:mod:`.tidal_view`) (:class:`DraftView`).
+  after them (:mod:`.tidal_view`); or TokenSelect's head-voted entries per layer
+  (:mod:`.tokenselect_view`) (:class:`DraftView`).
 
 Drafted tokens write their keys and values (of the layers that run) into the target cache's free
 slots after the committed ones, ``length + used ..``, where the verification forward writes its own
@@ -47,6 +48,7 @@ from ..kv.scoring import page_bounds, pool_scores, top_slots
 from ..runners.decoder import Layer, NativeDecoder
 from .duo_view import duo_attend, head_runs
 from .tidal_view import select_and_attend, sparse_keys
+from .tokenselect_view import SelectionCache
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,10 @@ class DraftView:
     (TidalDecode's selection layers), full-attention layers read everything up to the first
     selection layer and at each one, which picks ``tokens`` entries per KV head from between the
     sinks and the window (scores max-pooled over ``kernel``) for the full-attention layers after it
-    to read with the sinks and the window."""
+    to read with the sinks and the window. Or, with ``vote_from`` (TokenSelect), full-attention
+    layers from that one on read the sinks, the window and the ``tokens`` entries between them with
+    the most head soft votes (a vote reused while the queries' cosine similarity with the one that
+    voted stays at least ``threshold``)."""
 
     sink: int = 4
     window: int | None = None
@@ -77,12 +82,20 @@ class DraftView:
     retrieval: tuple[tuple[int, ...], ...] | None = None
     tidal: tuple[int, ...] = ()
     tokens: int = 0
+    vote_from: int | None = None
+    threshold: float = 0.9
+
+    @property
+    def reads_some_whole(self) -> bool:
+        """Whether some full-attention reads take every committed entry (DuoAttention's retrieval
+        heads, TidalDecode's and TokenSelect's dense layers)."""
+        return self.retrieval is not None or bool(self.tidal) or self.vote_from is not None
 
     @property
     def buffered(self) -> bool:
         """Whether the full-attention layers read a :class:`ViewBuffer` (a window; no Quest pages, no
         DuoAttention heads, no TidalDecode selection)."""
-        return self.window is not None and not self.pages and self.retrieval is None and not self.tidal
+        return self.window is not None and not self.pages and not self.reads_some_whole
 
     def spans(self, length: int) -> list[tuple[int, int]]:
         """Committed slot ranges ``[(lo, hi)]`` read with ``length`` committed entries."""
@@ -170,6 +183,7 @@ class SelfDraft:
         self.bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> key min, max [H_kv, P, d]
         self.recent = 0  # with a selection: committed slots from here on are all read
         self.buffer: ViewBuffer | None = None  # what full-attention layers read (a buffered view)
+        self.votes = SelectionCache(self.view.threshold)  # a TokenSelect view's last vote per layer
 
     def prepare(self, cache: KVCache, tokens: list[int]) -> None:
         """After the prompt's prefill (``tokens``: the committed ones, then the root): a selecting view
@@ -321,12 +335,12 @@ class SelfDraft:
             full_seen = seen
         masks = {False: grouped(after(full_seen), s.group, dec.dtype), True: None}
         view = self.view
-        # a DuoAttention or TidalDecode view: some full-attention reads take every committed entry
-        whole_mask = grouped(after(length), s.group, dec.dtype) if committed is None and (
-            view.retrieval is not None or view.tidal) else None
-        tidal = (whole_mask is not None and bool(view.tidal) and view.window is not None
-                 and length > view.sink + view.window + view.tokens)  # else every full-attention layer reads all
-        sparse_mask = grouped(after(view.sink + view.tokens + view.window), s.group, dec.dtype) if tidal else None
+        # a DuoAttention, TidalDecode or TokenSelect view: some full-attention reads take every committed entry
+        whole_mask = grouped(after(length), s.group, dec.dtype) if committed is None and view.reads_some_whole else None
+        sparse = (whole_mask is not None and view.window is not None
+                  and length > view.sink + view.window + view.tokens)  # else every full-attention layer reads all
+        tidal, voting = sparse and bool(view.tidal), sparse and view.vote_from is not None
+        sparse_mask = grouped(after(view.sink + view.tokens + view.window), s.group, dec.dtype) if sparse else None
         chosen: list[torch.Tensor | None] = [None]  # the last selection layer's entries [H_kv, tokens]
         if s.sliding_window is not None:
             key_pos = torch.cat([torch.arange(lo, hi, device=dec.device) for lo, hi in spans]
@@ -367,7 +381,10 @@ class SelfDraft:
                                                        s.attn_scale, s.attn_softcap, view.sink,
                                                        length - view.window, view.tokens, view.kernel)
                     return out
-                if tidal and chosen[0] is not None:  # after a selection layer: sinks, its entries, the window
+                if voting and i >= view.vote_from:  # the layer's own head-voted entries, shared by its heads
+                    chosen[0] = self.votes.slots(i, q, kv[i, 0], view.sink, length - view.window,
+                                                 view.tokens).expand(s.kv_heads, -1)
+                if (tidal or voting) and chosen[0] is not None:  # sinks, the chosen entries, the window
                     recent, picked = length - view.window, chosen[0]
                     return dec.attend(q, sparse_keys(kv[i, 0], view.sink, picked, recent, at + n),
                                       sparse_keys(kv[i, 1], view.sink, picked, recent, at + n), sparse_mask)
