@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
                           "reading a compressed view of it: streaming (attention sinks + recent window), snapkv (also the "
                           "entries the prompt's end attends to most), quest (also the key pages whose score bound is "
                           "highest for each draft forward), duo (DuoAttention's retrieval heads read everything, its "
-                          "streaming heads sinks + window) tidal (TidalDecode: layers after a selection layer read "
+                          "streaming heads sinks + window), tidal (TidalDecode: layers after a selection layer read "
                           "the entries it attends to most) or tokenselect (each layer reads the entries its heads' soft "
                           "votes pick), with options sink=4, window=512 (snapkv, quest, tidal, tokenselect 256; "
                           "duo: the gates' own, 64 and 256 for the shipped ones), selected=512, observe=32 (snapkv; "
