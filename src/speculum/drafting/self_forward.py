@@ -94,7 +94,7 @@ class DraftView:
     @property
     def buffered(self) -> bool:
         """Whether the full-attention layers read a :class:`ViewBuffer` (a window; no Quest pages, no
-        DuoAttention heads, no TidalDecode selection)."""
+        DuoAttention, TidalDecode or TokenSelect view)."""
         return self.window is not None and not self.pages and not self.reads_some_whole
 
     def spans(self, length: int) -> list[tuple[int, int]]:
