@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, tiny_gemma3, tiny_llama
+from conftest import TINY_VOCAB, batched_join_midway, tiny_gemma3, tiny_llama
 
 from speculum.attention import attention_probs, grouped
 from speculum.cache.store import FunctionStore
@@ -58,6 +58,20 @@ def test_greedy_view_drafts_equal_ar(policy, top_k, make):
         assert r.tokens == ar.run(p, 40).tokens
         accepted += sum(s.accepted for s in r.steps)
     assert accepted > 0
+
+
+@pytest.mark.parametrize("policy", ["duo", "tokenselect"])
+def test_batched_view_drafts_equal_solo(policy):
+    """Requests in one forward per step, joining mid-way, each drafting over its own pool slot with
+    its own fork (tokenselect: its own Selection Cache)."""
+    model = tiny_llama(layers=4)
+    runner = NativeRunner(model)
+    drafter = DRAFTERS["kv_draft"].factory(target=model, draft_head=None, top_k=1, exit_confidence=0.0,
+                                           **view_options(policy, model))
+    engine = Engine(runner, drafter, eos_token_ids=[])
+    ar = build_method("ar", model, None, runner=runner)
+    ps = prompts(2, n=4)
+    assert batched_join_midway(runner, engine, ps) == [ar.run(p, 40).tokens for p in ps]
 
 
 def _drafter_after_request(policy: str, **options):
