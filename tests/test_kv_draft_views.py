@@ -1,4 +1,4 @@
-"""``kv_draft``'s DuoAttention, TidalDecode and TokenSelect views: greedy output equal to ``ar``'s (chains and
+"""``kv_draft``'s DuoAttention, TidalDecode, TokenSelect and Double Sparsity views: greedy output equal to ``ar``'s (chains and
 trees, tiny Llama and Gemma-3 past its window), the draft rows reading exactly what each view's
 rule says (logits against attention under per-head masks over the whole cache, float32), and clear
 refusals."""
@@ -41,10 +41,12 @@ def prompts(seed: int, n: int = 3) -> list[list[int]]:
 def view_options(policy: str, model) -> dict:
     if policy == "duo":
         return {"policy": "duo", "gates": random_gates(model), "retrieval": 50}
+    if policy == "double_sparsity":
+        return {"policy": policy, "sink": 1, "window": 4, "selected": 3, "observe": 4, "channels": 2}
     return {"policy": policy, "sink": 1, "window": 4, "selected": 3}
 
 
-@pytest.mark.parametrize("policy", ["duo", "tidal", "tokenselect"])
+@pytest.mark.parametrize("policy", ["duo", "tidal", "tokenselect", "double_sparsity"])
 @pytest.mark.parametrize("top_k", [1, 4])
 @pytest.mark.parametrize("make", [lambda: tiny_llama(layers=4), tiny_gemma3], ids=["llama", "gemma3"])
 def test_greedy_view_drafts_equal_ar(policy, top_k, make):
@@ -210,6 +212,39 @@ def test_tokenselect_view_reads_each_layers_most_voted_entries():
     assert all(draft.votes.anchors[i] is before[i] for i in (2, 3))  # the Selection Cache: the last vote again
 
 
+def test_double_sparsity_view_reads_the_label_channels_top_entries():
+    """The label cache holds the committed keys' label channels from the sinks up to the window (as
+    the prompt ended); every full-attention layer reads the sinks, everything since, and per KV head
+    the ``selected`` entries with the most approximate attention over the label channels (each query
+    head's softmax, summed over the KV head's query heads and the rows)."""
+    sink, window, selected, channels = 1, 4, 3, 2
+    draft = _drafter_after_request("double_sparsity", sink=sink, window=window, selected=selected, observe=4,
+                                   channels=channels)
+    length, s = draft.cache.length, draft.decoder.shape
+    recent = draft.recent
+    assert sorted(draft.labels) == [0, 1, 2, 3] and sink < recent < length - window
+    chosen = {}
+
+    def visible_of(i, q, keys, values, causal):
+        ch, label_keys = draft.labels[i]  # [H_kv, r], [H_kv, B, r]
+        assert ch.shape == (s.kv_heads, channels)
+        rows = []
+        for h in range(s.kv_heads):
+            torch.testing.assert_close(label_keys[h], keys[h, sink:recent][:, ch[h]])
+            qh = q[:, h * s.group:(h + 1) * s.group][..., ch[h]].float()  # [n, g, r]
+            approx = torch.einsum("ngr,br->ngb", qh, keys[h, sink:recent][:, ch[h]].float()) * s.attn_scale
+            top = approx.softmax(-1).sum((0, 1)).topk(selected).indices + sink
+            mine = (torch.arange(length) < sink) | (torch.arange(length) >= recent)
+            mine[top] = True
+            chosen[(i, h)] = top
+            rows.append(torch.cat([mine.expand(len(causal), -1), causal], dim=1))
+        return torch.stack(rows)
+
+    ids = [5, 9, 2]
+    torch.testing.assert_close(_draft_logits(draft, ids), _masked_reference(draft, ids, visible_of), rtol=1e-5, atol=1e-5)
+    assert len(chosen) == 4 * s.kv_heads
+
+
 def test_view_options_and_refusals():
     model = tiny_llama(layers=4)
     assert kv_draft_options("duo:gates=g.json,retrieval=50") == {"policy": "duo", "gates": "g.json", "retrieval": 50}
@@ -223,6 +258,8 @@ def test_view_options_and_refusals():
     assert kv_draft_options("tokenselect:threshold=95") == {"policy": "tokenselect", "threshold": 95}
     with pytest.raises(SpeculumError, match="threshold in 0..101"):
         build_method("kv_draft", model, None, policy="tokenselect", threshold=-1)
+    with pytest.raises(SpeculumError, match="channels >= 1"):
+        build_method("kv_draft", model, None, policy="double_sparsity", channels=0)
     with pytest.raises(SpeculumError, match="retrieval in 0..100"):
         build_method("kv_draft", model, None, policy="duo", gates=random_gates(model), retrieval=101)
     with pytest.raises(SpeculumError, match="full-attention layers"):

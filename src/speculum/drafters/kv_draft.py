@@ -28,7 +28,12 @@ of it (:class:`~speculum.drafting.self_forward.DraftView`):
   full-attention layers from ``dense`` (2) on read the sinks, the window (256) and the ``selected``
   (512) entries between them with the most votes from the draft rows' queries, one choice per layer
   for all its heads, a layer's last vote reused while the queries' cosine similarity with the ones
-  that cast it stays at least ``threshold`` percent (90; the Selection Cache).
+  that cast it stays at least ``threshold`` percent (90; the Selection Cache);
+- ``double_sparsity``: Double Sparsity's label channels (Yang et al. 2024,
+  :mod:`speculum.kv.double_sparsity`): the sinks, the last ``window`` (256) and on full-attention
+  layers ``selected`` (512) entries per KV head from between them, picked at every draft forward by
+  the draft rows' attention approximated on ``channels`` (the head size / 8) label channels, which the
+  prompt's last ``observe`` (32) tokens choose once the prompt is in.
 
 With a long prompt, a draft step then reads a few hundred entries instead of the whole context, while the
 output is exactly full-cache decoding's. The draft's weights are also quantized, ``bits`` 4 (the
@@ -52,10 +57,10 @@ from ..kv.tidal import default_selection_layers
 from ..options import parse_named
 from .self_draft import SelfDrafter
 
-KV_DRAFT_POLICIES = ("streaming", "snapkv", "quest", "duo", "tidal", "tokenselect")
+KV_DRAFT_POLICIES = ("streaming", "snapkv", "quest", "duo", "tidal", "tokenselect", "double_sparsity")
 # the integer options a spec may set (and ``gates``, duo's gates file)
 KV_DRAFT_OPTIONS = ("sink", "window", "selected", "observe", "pages", "page", "bits", "depth", "top_k", "trim",
-                    "lookup", "retrieval", "dense", "threshold")
+                    "lookup", "retrieval", "dense", "threshold", "channels")
 
 
 def kv_draft_options(spec: str) -> dict:
@@ -84,16 +89,22 @@ def kv_draft_options(spec: str) -> dict:
     return options
 
 
+def label_count(head_dim: int, channels: int | None) -> int:
+    """Double Sparsity's label channels per head: ``channels``, by default the policy's ``head_dim // 8``."""
+    return min(head_dim, channels if channels is not None else max(1, head_dim // 8))
+
+
 class KVDraftDrafter(SelfDrafter):
     name = "kv_draft"
 
     def __init__(self, target: torch.nn.Module, policy: str = "streaming", sink: int | None = None,
                  window: int | None = None, selected: int = 512, observe: int = 32, pages: int = 32, page: int = 16,
                  bits: int = 4, depth: int = 6, exit_confidence: float = 0.5, gates="auto", retrieval: int = 25,
-                 dense: int = 2, layers: tuple[int, ...] | None = None, threshold: int = 90, **options):
+                 dense: int = 2, layers: tuple[int, ...] | None = None, threshold: int = 90,
+                 channels: int | None = None, **options):
         """``gates``, ``retrieval`` (a percent): ``duo``'s; ``dense``, ``layers`` (the selection layers,
         default :func:`~speculum.kv.tidal.default_selection_layers`): ``tidal``'s; ``dense``,
-        ``threshold`` (a percent): ``tokenselect``'s."""
+        ``threshold`` (a percent): ``tokenselect``'s; ``channels``: ``double_sparsity``'s."""
         if policy not in KV_DRAFT_POLICIES:
             raise SpeculumError(f"unknown kv-draft policy {policy!r}; choose from {', '.join(KV_DRAFT_POLICIES)}")
         super().__init__(target, depth=depth, exit_confidence=exit_confidence, **options)
@@ -103,11 +114,11 @@ class KVDraftDrafter(SelfDrafter):
         if window is None:
             window = duo.window if duo is not None else 512 if policy == "streaming" else 256
         if (sink < 0 or min(window, selected, observe, pages, page) < 1 or not 0 <= retrieval <= 100 or dense < 0
-                or not 0 <= threshold <= 101):
+                or not 0 <= threshold <= 101 or (channels is not None and channels < 1)):
             raise SpeculumError("a kv-draft view needs sink >= 0, window, selected, observe, pages, page >= 1, "
-                                "retrieval in 0..100, dense >= 0 and threshold in 0..101 (got "
+                                "retrieval in 0..100, dense >= 0, threshold in 0..101 and channels >= 1 (got "
                                 f"{sink}, {window}, {selected}, {observe}, {pages}, {page}, {retrieval}, {dense}, "
-                                f"{threshold})")
+                                f"{threshold}, {channels})")
         weights = head = None
         if bits != 16:
             weights, head = quantized_layers(self.decoder, bits), self.draft_head(target, bits)
@@ -120,6 +131,8 @@ class KVDraftDrafter(SelfDrafter):
                          pages=pages if policy == "quest" else 0, page=page,
                          retrieval=draft_retrieval(duo, self.decoder.layout, retrieval / 100) if duo else None,
                          tidal=tuple(sorted(layers)) if policy == "tidal" else (),
-                         tokens=selected if policy in ("tidal", "tokenselect") else 0,
-                         vote_from=dense if policy == "tokenselect" else None, threshold=threshold / 100)
+                         tokens=selected if policy in ("tidal", "tokenselect", "double_sparsity") else 0,
+                         vote_from=dense if policy == "tokenselect" else None, threshold=threshold / 100,
+                         channels=label_count(self.decoder.shape.head_dim, channels)
+                         if policy == "double_sparsity" else 0)
         self.model = SelfDraft(self.decoder, weights=weights, head=head, view=view)
