@@ -169,7 +169,7 @@ DRAFTERS: dict[str, DrafterEntry] = {
                                     "every step, as in the paper (no window switch)", scored=True, needs_target=True),
     "kv_draft": DrafterEntry(KVDraftDrafter, "lossless long context: an int4 copy of the target drafts reading "
                              "a compressed view of the cache (TriForce-style): sinks and a recent window, with "
-                             "snapkv, quest, duo, tidal or tokenselect's choice", scored=True, needs_target=True),
+                             "snapkv, quest, duo, tidal, tokenselect or double_sparsity's choice", scored=True, needs_target=True),
 }
 
 
