@@ -49,15 +49,14 @@ from __future__ import annotations
 
 import torch
 
-from ..drafting.duo_view import draft_gates, draft_retrieval
 from ..drafting.quantized_copy import quantized_layers
-from ..drafting.self_forward import DraftView, SelfDraft
+from ..drafting.self_forward import SelfDraft
+from ..drafting.view_choice import VIEWS, draft_view
 from ..errors import SpeculumError
-from ..kv.tidal import default_selection_layers
 from ..options import parse_named
 from .self_draft import SelfDrafter
 
-KV_DRAFT_POLICIES = ("streaming", "snapkv", "quest", "duo", "tidal", "tokenselect", "double_sparsity")
+KV_DRAFT_POLICIES = VIEWS
 # the integer options a spec may set (and ``gates``, duo's gates file)
 KV_DRAFT_OPTIONS = ("sink", "window", "selected", "observe", "pages", "page", "bits", "depth", "top_k", "trim",
                     "lookup", "retrieval", "dense", "threshold", "channels")
@@ -89,11 +88,6 @@ def kv_draft_options(spec: str) -> dict:
     return options
 
 
-def label_count(head_dim: int, channels: int | None) -> int:
-    """Double Sparsity's label channels per head: ``channels``, by default the policy's ``head_dim // 8``."""
-    return min(head_dim, channels if channels is not None else max(1, head_dim // 8))
-
-
 class KVDraftDrafter(SelfDrafter):
     name = "kv_draft"
 
@@ -102,37 +96,16 @@ class KVDraftDrafter(SelfDrafter):
                  bits: int = 4, depth: int = 6, exit_confidence: float = 0.5, gates="auto", retrieval: int = 25,
                  dense: int = 2, layers: tuple[int, ...] | None = None, threshold: int = 90,
                  channels: int | None = None, **options):
-        """``gates``, ``retrieval`` (a percent): ``duo``'s; ``dense``, ``layers`` (the selection layers,
-        default :func:`~speculum.kv.tidal.default_selection_layers`): ``tidal``'s; ``dense``,
-        ``threshold`` (a percent): ``tokenselect``'s; ``channels``: ``double_sparsity``'s."""
+        """The view's options as :func:`~speculum.drafting.view_choice.draft_view` takes them (``gates``,
+        ``retrieval`` (a percent): ``duo``'s; ``dense``, ``layers``: ``tidal``'s selection layers; ``dense``,
+        ``threshold`` (a percent): ``tokenselect``'s; ``channels``: ``double_sparsity``'s); the others
+        :class:`~speculum.drafters.self_draft.SelfDrafter`'s."""
         if policy not in KV_DRAFT_POLICIES:
             raise SpeculumError(f"unknown kv-draft policy {policy!r}; choose from {', '.join(KV_DRAFT_POLICIES)}")
         super().__init__(target, depth=depth, exit_confidence=exit_confidence, **options)
-        duo = draft_gates(target, gates) if policy == "duo" else None
-        if sink is None:
-            sink = duo.sinks if duo is not None else 4
-        if window is None:
-            window = duo.window if duo is not None else 512 if policy == "streaming" else 256
-        if (sink < 0 or min(window, selected, observe, pages, page) < 1 or not 0 <= retrieval <= 100 or dense < 0
-                or not 0 <= threshold <= 101 or (channels is not None and channels < 1)):
-            raise SpeculumError("a kv-draft view needs sink >= 0, window, selected, observe, pages, page >= 1, "
-                                "retrieval in 0..100, dense >= 0, threshold in 0..101 and channels >= 1 (got "
-                                f"{sink}, {window}, {selected}, {observe}, {pages}, {page}, {retrieval}, {dense}, "
-                                f"{threshold}, {channels})")
+        view = draft_view(policy, target, self.decoder, sink, window, selected, observe, pages, page, gates,
+                          retrieval, dense, layers, threshold, channels)
         weights = head = None
         if bits != 16:
             weights, head = quantized_layers(self.decoder, bits), self.draft_head(target, bits)
-        sliding = [layer.sliding for layer in self.decoder.layers]
-        if policy == "tidal" and layers is None:
-            layers = default_selection_layers(sliding, dense)
-        if policy == "tidal" and any(not 0 <= i < len(sliding) or sliding[i] for i in layers):
-            raise SpeculumError(f"tidal's selection layers {list(layers)} must be full-attention layers of the model")
-        view = DraftView(sink, window, selected if policy == "snapkv" else 0, observe,
-                         pages=pages if policy == "quest" else 0, page=page,
-                         retrieval=draft_retrieval(duo, self.decoder.layout, retrieval / 100) if duo else None,
-                         tidal=tuple(sorted(layers)) if policy == "tidal" else (),
-                         tokens=selected if policy in ("tidal", "tokenselect", "double_sparsity") else 0,
-                         vote_from=dense if policy == "tokenselect" else None, threshold=threshold / 100,
-                         channels=label_count(self.decoder.shape.head_dim, channels)
-                         if policy == "double_sparsity" else 0)
         self.model = SelfDraft(self.decoder, weights=weights, head=head, view=view)
