@@ -35,8 +35,8 @@ of it (:class:`~speculum.drafting.self_forward.DraftView`):
   the draft rows' attention approximated on ``channels`` (the head size / 8) label channels, which the
   prompt's last ``observe`` (32) tokens choose once the prompt is in.
 
-With a long prompt, a draft step then reads a few hundred entries instead of the whole context, while the
-output is exactly full-cache decoding's. The draft's weights are also quantized, ``bits`` 4 (the
+With a long prompt, a draft step then reads a few hundred entries instead of the whole context (in the
+heads and layers a view does not give everything), while the output is exactly full-cache decoding's. The draft's weights are also quantized, ``bits`` 4 (the
 default) or 8 (:mod:`speculum.drafters.quant_self`), cheaper still; ``bits=16`` drafts with the
 target's own weights. Drafting is
 :class:`~speculum.drafters.self_draft.SelfDrafter`'s: a chain with a confidence stop, or a dynamic
