@@ -58,8 +58,8 @@ def add_parser(sub) -> None:
     lc.add_argument("--budget", default="0.25", help="comma-separated budgets (default: %(default)s)")
     lc.add_argument("--kv-draft", default="", metavar="SPEC[;SPEC...]",
                     help="lossless rows: the full cache verifies what the same model drafts reading a compressed "
-                         "view of it; semicolon-separated specs, e.g. 'streaming;snapkv:selected=1024' (see generate --help "
-                         "for the options). The '= full "
+                         "view of it (streaming, snapkv, quest, duo, tidal, tokenselect, double_sparsity); semicolon-separated specs, e.g. "
+                         "'streaming;snapkv:selected=1024;duo' (see generate --help for the options). The '= full "
                          "%%' column counts outputs identical to the full cache's (default: none)")
     lc.add_argument("--reproducible", action="store_true",
                     help="run full and the --kv-draft rows in the reproducible mode (chains verified with numerics "

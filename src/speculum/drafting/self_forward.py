@@ -8,7 +8,11 @@ values the *target* computed for the committed tokens:
 - a compressed view of the committed entries (long-context drafting, TriForce / MagicDec style):
   StreamingLLM's first ``sink`` and last ``window`` entries instead of all of them, and on
   full-attention layers optionally SnapKV's selection from between them, or Quest's pages picked
-  per forward by the draft's own queries (:class:`DraftView`).
+  per forward by the draft's own queries; or DuoAttention's split, the retrieval heads reading
+  everything (:mod:`.duo_view`); or TidalDecode's entries picked at selection layers for the layers
+  after them (:mod:`.tidal_view`); or TokenSelect's head-voted entries per layer
+  (:mod:`.tokenselect_view`); or Double Sparsity's entries picked by label channels
+  (:mod:`.double_sparsity_view`) (:class:`DraftView`).
 
 Drafted tokens write their keys and values (of the layers that run) into the target cache's free
 slots after the committed ones, ``length + used ..``, where the verification forward writes its own
@@ -43,6 +47,10 @@ from ..cache.store import FunctionStore, put
 from ..errors import SpeculumError
 from ..kv.scoring import page_bounds, pool_scores, top_slots
 from ..runners.decoder import Layer, NativeDecoder
+from .double_sparsity_view import label_top, labels_of
+from .duo_view import duo_attend, head_runs
+from .tidal_view import select_and_attend, sparse_keys
+from .tokenselect_view import SelectionCache
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,20 @@ class DraftView:
     neighbours), picked once per request after its prefill; or ``pages`` pages of ``page`` entries
     per KV head, picked at every draft forward and layer by the upper bound of the rows' attention
     scores over each page (Quest: the page's channel-wise key minimum and maximum, taken after the
-    prefill)."""
+    prefill).
+
+    Or, with ``retrieval`` (DuoAttention), per layer the KV heads that read every committed entry;
+    the other heads of full-attention layers read the sinks and the window. Or, with ``tidal``
+    (TidalDecode's selection layers), full-attention layers read everything up to the first
+    selection layer and at each one, which picks ``tokens`` entries per KV head from between the
+    sinks and the window (scores max-pooled over ``kernel``) for the full-attention layers after it
+    to read with the sinks and the window. Or, with ``vote_from`` (TokenSelect), full-attention
+    layers from that one on read the sinks, the window and the ``tokens`` entries between them with
+    the most head soft votes (a vote reused while the queries' cosine similarity with the one that
+    voted stays at least ``threshold``). Or, with ``channels`` (Double Sparsity), full-attention
+    layers read the sinks, ``tokens`` entries per KV head picked at every draft forward by the
+    approximate attention of the rows' ``channels`` label channels (picked once the prompt is in,
+    from its last ``observe`` tokens), and everything committed since the labels were taken."""
 
     sink: int = 4
     window: int | None = None
@@ -63,11 +84,24 @@ class DraftView:
     kernel: int = 7
     pages: int = 0
     page: int = 16
+    retrieval: tuple[tuple[int, ...], ...] | None = None
+    tidal: tuple[int, ...] = ()
+    tokens: int = 0
+    vote_from: int | None = None
+    threshold: float = 0.9
+    channels: int = 0
+
+    @property
+    def reads_some_whole(self) -> bool:
+        """Whether some full-attention reads take every committed entry (DuoAttention's retrieval
+        heads, TidalDecode's and TokenSelect's dense layers)."""
+        return self.retrieval is not None or bool(self.tidal) or self.vote_from is not None
 
     @property
     def buffered(self) -> bool:
-        """Whether the full-attention layers read a :class:`ViewBuffer` (a window, no Quest pages)."""
-        return self.window is not None and not self.pages
+        """Whether the full-attention layers read a :class:`ViewBuffer` (a window; no Quest pages, no
+        DuoAttention, TidalDecode, TokenSelect or Double Sparsity view)."""
+        return self.window is not None and not self.pages and not self.channels and not self.reads_some_whole
 
     def spans(self, length: int) -> list[tuple[int, int]]:
         """Committed slot ranges ``[(lo, hi)]`` read with ``length`` committed entries."""
@@ -155,6 +189,9 @@ class SelfDraft:
         self.bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> key min, max [H_kv, P, d]
         self.recent = 0  # with a selection: committed slots from here on are all read
         self.buffer: ViewBuffer | None = None  # what full-attention layers read (a buffered view)
+        self.votes = SelectionCache(self.view.threshold)  # a TokenSelect view's last vote per layer
+        self.labels: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> channels [H_kv, r],
+        # label cache [H_kv, B, r] (Double Sparsity)
 
     def prepare(self, cache: KVCache, tokens: list[int]) -> None:
         """After the prompt's prefill (``tokens``: the committed ones, then the root): a selecting view
@@ -172,6 +209,11 @@ class SelfDraft:
         if self.picked is None and v.selected and v.window is not None and tokens is not None \
                 and cache.length > v.sink + v.window + v.selected + v.observe:
             self._select(tokens)
+            self.used = 0
+            self.pending_pos = self.pending_pos[:0]
+        if self.labels is None and v.channels and v.window is not None and tokens is not None \
+                and cache.length > v.sink + v.window + v.tokens + v.observe:
+            self._label(tokens)
             self.used = 0
             self.pending_pos = self.pending_pos[:0]
         if self.bounds is None and v.pages and v.window is not None \
@@ -242,13 +284,9 @@ class SelfDraft:
         committed entry before them), score each full-attention layer's entries by the attention they
         receive (summed over rows and the query heads of a KV head, max-pooled), keep the top
         ``selected`` per KV head among slots ``sink .. length - window``."""
-        dec, s, v, cache = self.decoder, self.decoder.shape, self.view, self.cache
-        length, obs = cache.length, v.observe
-        start, lo, hi = length - obs, v.sink, length - v.window
-        ids = torch.tensor(tokens[start:length], device=dec.device)
-        positions = torch.arange(start, length, device=dec.device)
-        causal = torch.ones(obs, obs, dtype=torch.bool, device=dec.device).tril()
-        full, self.view = self.view, DraftView()  # the observation rows read everything
+        s, v, cache = self.decoder.shape, self.view, self.cache
+        length = cache.length
+        lo, hi = v.sink, length - v.window
         scores: dict[int, torch.Tensor] = {}
 
         def observe(i: int, sliding: bool, q, k, v, mask) -> torch.Tensor | None:
@@ -260,11 +298,7 @@ class SelfDraft:
             scores[i] = probs.sum(1)
             return unfold_rows(torch.matmul(probs.to(v.dtype), v), q.shape[0])
 
-        self._on_attend = observe
-        try:
-            self.run(ids, positions, causal, committed=start)
-        finally:
-            self.view, self._on_attend = full, None
+        self._observe(tokens, observe)
         kv = cache.kv
         self.picked, self.picked_slots = {}, {}
         for i, sc in scores.items():
@@ -274,6 +308,38 @@ class SelfDraft:
             self.picked_slots[i] = top
         self.recent = hi
         self.buffer = None  # built again around the selection
+
+    def _observe(self, tokens: list[int], hook) -> None:
+        """Run the last ``observe`` committed tokens as draft rows reading every committed entry
+        before them, ``hook(i, sliding, q, k, v, mask)`` seeing each layer's attention (its output,
+        or None for the plain attention)."""
+        dec, cache, obs = self.decoder, self.cache, self.view.observe
+        start = cache.length - obs
+        ids = torch.tensor(tokens[start:cache.length], device=dec.device)
+        positions = torch.arange(start, cache.length, device=dec.device)
+        causal = torch.ones(obs, obs, dtype=torch.bool, device=dec.device).tril()
+        full, self.view = self.view, DraftView()  # the observation rows read everything
+        self._on_attend = hook
+        try:
+            self.run(ids, positions, causal, committed=start)
+        finally:
+            self.view, self._on_attend = full, None
+
+    @torch.inference_mode()
+    def _label(self, tokens: list[int]) -> None:
+        """Double Sparsity's label channels for the draft, from the last ``observe`` committed tokens'
+        queries and own keys on each full-attention layer, and the label cache of the committed slots
+        ``sink .. length - window``."""
+        v, cache, obs = self.view, self.cache, self.view.observe
+        hi = cache.length - v.window
+        self.labels = {}
+
+        def observe(i: int, sliding: bool, q, k, values, mask) -> None:
+            if not sliding:
+                self.labels[i] = labels_of(q, k[:, -obs:], cache.kv[i, 0, :, v.sink:hi], v.channels)
+
+        self._observe(tokens, observe)
+        self.recent = hi
 
     @torch.inference_mode()
     def run(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor,
@@ -292,6 +358,7 @@ class SelfDraft:
         contiguous = len(spans) == 1 and spans[0][1] == cache.length
         buffer = self.buffer if committed is None else None
         paged = self.bounds if committed is None else None
+        labeled = self.labels if committed is None else None
 
         def after(count: int) -> torch.Tensor:  # [n, count + p + n]: every committed entry read, then ``visible``
             return torch.cat([torch.ones(n, count, dtype=torch.bool, device=dec.device), visible], dim=1)
@@ -302,9 +369,19 @@ class SelfDraft:
             full_seen = buffer.cache.length
         elif paged:  # full-attention layers: sinks, the pages, everything committed since the page bounds
             full_seen = self.view.sink + self.view.pages * self.view.page + cache.length - self.recent
+        elif labeled:  # full-attention layers: sinks, the labels' choice, everything committed since the labels
+            full_seen = self.view.sink + self.view.tokens + cache.length - self.recent
         else:
             full_seen = seen
         masks = {False: grouped(after(full_seen), s.group, dec.dtype), True: None}
+        view = self.view
+        # a DuoAttention, TidalDecode or TokenSelect view: some full-attention reads take every committed entry
+        whole_mask = grouped(after(length), s.group, dec.dtype) if committed is None and view.reads_some_whole else None
+        sparse = (whole_mask is not None and view.window is not None
+                  and length > view.sink + view.window + view.tokens)  # else every full-attention layer reads all
+        tidal, voting = sparse and bool(view.tidal), sparse and view.vote_from is not None
+        sparse_mask = grouped(after(view.sink + view.tokens + view.window), s.group, dec.dtype) if sparse else None
+        chosen: list[torch.Tensor | None] = [None]  # the last selection layer's entries [H_kv, tokens]
         if s.sliding_window is not None:
             key_pos = torch.cat([torch.arange(lo, hi, device=dec.device) for lo, hi in spans]
                                 + [self.pending_pos, positions])
@@ -332,6 +409,31 @@ class SelfDraft:
                 idx = self._pages(i, q)[..., None].expand(-1, -1, s.head_dim)  # [H_kv, B, d]
                 return dec.attend(q, paged_keys(kv[i, 0], kv[i, 0].gather(1, idx)),
                                   paged_keys(kv[i, 1], kv[i, 1].gather(1, idx)), masks[False])
+            if labeled and not sliding:
+                top = label_top(q, *labeled[i], s.attn_scale, self.view.tokens) + self.view.sink  # [H_kv, tokens]
+                idx = top[..., None].expand(-1, -1, s.head_dim)
+                return dec.attend(q, paged_keys(kv[i, 0], kv[i, 0].gather(1, idx)),
+                                  paged_keys(kv[i, 1], kv[i, 1].gather(1, idx)), masks[False])
+            if whole_mask is not None and not sliding:
+                if view.retrieval is not None:  # retrieval heads read everything, streaming heads the view
+                    everything = (kv[i, 0, :, :at + n], kv[i, 1, :, :at + n], whole_mask)
+                    if contiguous:
+                        return dec.attend(q, *everything)
+                    return duo_attend(dec.attend, q, head_runs(view.retrieval[i], s.kv_heads), s.group, everything,
+                                      (keys(kv[i, 0]), keys(kv[i, 1]), masks[False]))
+                if tidal and i in view.tidal:  # a selection layer: read everything, pick for the next layers
+                    out, chosen[0] = select_and_attend(q, kv[i, 0, :, :at + n], kv[i, 1, :, :at + n], whole_mask,
+                                                       s.attn_scale, s.attn_softcap, view.sink,
+                                                       length - view.window, view.tokens, view.kernel)
+                    return out
+                if voting and i >= view.vote_from:  # the layer's own head-voted entries, shared by its heads
+                    chosen[0] = self.votes.slots(i, q, kv[i, 0], view.sink, length - view.window,
+                                                 view.tokens).expand(s.kv_heads, -1)
+                if (tidal or voting) and chosen[0] is not None:  # sinks, the chosen entries, the window
+                    recent, picked = length - view.window, chosen[0]
+                    return dec.attend(q, sparse_keys(kv[i, 0], view.sink, picked, recent, at + n),
+                                      sparse_keys(kv[i, 1], view.sink, picked, recent, at + n), sparse_mask)
+                return dec.attend(q, kv[i, 0, :, :at + n], kv[i, 1, :, :at + n], whole_mask)
             return dec.attend(q, keys(kv[i, 0]), keys(kv[i, 1]), masks[sliding])
 
         h = dec.embed_ids(ids)
