@@ -308,3 +308,13 @@ def test_compiled_layers_equal_the_layer_ops_path(kind, monkeypatch):
     assert runner.decoder._compiled and all(c is not None for _, c in runner.decoder._compiled.values())
     monkeypatch.setattr(type(runner.decoder), "_compiled_layer", lambda self, i, layer: None)
     assert torch.equal(step(), compiled)
+
+
+def test_kv_draft_drafts_on_quantized_weights_as_they_are():
+    """On a model whose layers already run quantized kernels, ``kv_draft`` drafts on them (no torch
+    int4 copy); on float weights its default is the int4 copy."""
+    from speculum.drafters.kv_draft import KVDraftDrafter
+
+    quantized, plain = KVDraftDrafter(_quantized_tiny("llama", "int8")), KVDraftDrafter(tiny_llama(layers=2))
+    assert quantized.model.weights[0] is quantized.decoder.layers[0]
+    assert plain.model.weights[0] is not plain.decoder.layers[0]

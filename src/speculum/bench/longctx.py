@@ -274,9 +274,11 @@ def accuracy_plot(rows: list[dict], path: str | Path) -> None:
         here = [r for r in rows if r["length"] == length and r["task"] == "all"]
         full = next((r for r in here if r["policy"] == "full"), None)
         full_bytes = full["kv_bytes"] if full else None
-        for policy in sorted({r["policy"] for r in here}):
+        for i, policy in enumerate(sorted({r["policy"] for r in here})):
             pts = sorted((budget_fraction(r, full_bytes), r["accuracy"]) for r in here if r["policy"] == policy)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy, alpha=0.8)
+            # markers and dashes cycle so that policies on the same points stay told apart
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="os^vDP*X"[i % 8], ms=7 - (i % 4),
+                    linestyle=("-", "--", ":", "-.")[i % 4], label=policy, alpha=0.8)
         ax.set(title=f"{length} tokens", xlabel="KV budget (fraction of context kept, read, or of full bytes)",
                ylabel="accuracy (%)", ylim=(-5, 105))
         ax.grid(alpha=0.3)

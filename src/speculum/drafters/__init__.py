@@ -168,7 +168,7 @@ DRAFTERS: dict[str, DrafterEntry] = {
                               scored=True, needs_target=True),
     "lookahead_fixed": DrafterEntry(partial(LookaheadDrafter, adaptive=False), "lookahead with its window in "
                                     "every step, as in the paper (no window switch)", scored=True, needs_target=True),
-    "kv_draft": DrafterEntry(KVDraftDrafter, "lossless long context: an int4 copy of the target drafts reading "
+    "kv_draft": DrafterEntry(KVDraftDrafter, "lossless long context: the target (an int4 copy of float weights) drafts reading "
                              "a compressed view of the cache (TriForce-style): sinks and a recent window, with "
                              "snapkv, quest, duo, tidal, tokenselect or double_sparsity's choice", scored=True, needs_target=True),
 }

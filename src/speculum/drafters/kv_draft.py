@@ -36,9 +36,10 @@ of it (:class:`~speculum.drafting.self_forward.DraftView`):
   prompt's last ``observe`` (32) tokens choose once the prompt is in.
 
 With a long prompt, a draft step then reads a few hundred entries instead of the whole context (in the
-heads and layers a view does not give everything), while the output is exactly full-cache decoding's. The draft's weights are also quantized, ``bits`` 4 (the
-default) or 8 (:mod:`speculum.drafters.quant_self`), cheaper still; ``bits=16`` drafts with the
-target's own weights. Drafting is
+heads and layers a view does not give everything), while the output is exactly full-cache decoding's. The
+draft's weights: ``bits=16`` the target's own (the default where those are already quantized, a GGUF model
+on speculum's kernels, which stream fewer bytes than a torch copy would), ``bits`` 4 (the default for float
+weights) or 8 a weight-only quantized copy (:mod:`speculum.drafters.quant_self`). Drafting is
 :class:`~speculum.drafters.self_draft.SelfDrafter`'s: a chain with a confidence stop, or a dynamic
 tree with ``top_k > 1``. A chain that has occurred earlier in the text ends with the ``lookup`` (8) tokens
 that followed it there (``lookup=0``: none): an answer copied from the prompt, a needle's value,
@@ -49,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from ..drafting.quantized_copy import quantized_layers
+from ..drafting.quantized_copy import quantized_layers, weights_already_quantized
 from ..drafting.self_forward import SelfDraft
 from ..drafting.view_choice import VIEWS, draft_view
 from ..errors import SpeculumError
@@ -93,7 +94,7 @@ class KVDraftDrafter(SelfDrafter):
 
     def __init__(self, target: torch.nn.Module, policy: str = "streaming", sink: int | None = None,
                  window: int | None = None, selected: int = 512, observe: int = 32, pages: int = 32, page: int = 16,
-                 bits: int = 4, depth: int = 6, exit_confidence: float = 0.5, gates="auto", retrieval: int = 25,
+                 bits: int | None = None, depth: int = 6, exit_confidence: float = 0.5, gates="auto", retrieval: int = 25,
                  dense: int = 2, layers: tuple[int, ...] | None = None, threshold: int = 90,
                  channels: int | None = None, **options):
         """The view's options as :func:`~speculum.drafting.view_choice.draft_view` takes them (``gates``,
@@ -105,6 +106,8 @@ class KVDraftDrafter(SelfDrafter):
         super().__init__(target, depth=depth, exit_confidence=exit_confidence, **options)
         view = draft_view(policy, target, self.decoder, sink, window, selected, observe, pages, page, gates,
                           retrieval, dense, layers, threshold, channels)
+        if bits is None:  # a GGUF model's own kernels already stream 4-bit weights, faster than a torch copy
+            bits = 16 if weights_already_quantized(self.decoder) else 4
         weights = head = None
         if bits != 16:
             weights, head = quantized_layers(self.decoder, bits), self.draft_head(target, bits)

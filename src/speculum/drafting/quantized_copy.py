@@ -186,6 +186,15 @@ def _quantize(linear: Linear, bits: int) -> QuantLinear:
     return QuantLinear(linear_weight(linear), bias, bits)
 
 
+def weights_already_quantized(decoder: NativeDecoder) -> bool:
+    """Whether ``decoder``'s layers already run quantized weights (a GGUF model kept quantized): its
+    own kernels then stream fewer bytes than a torch int4/int8 copy's would, so a self-draft is
+    cheapest on the target's own weights."""
+    from ..weights import QuantizedLinear, StackedLinear
+
+    return isinstance(decoder.layers[0].gate_up, (QuantizedLinear, StackedLinear))
+
+
 def quantized_layers(decoder: NativeDecoder, bits: int) -> list[Layer]:
     """Copies of ``decoder.layers`` whose four linear layers are quantized to ``bits`` (norms shared);
     made once per decoder and width."""
