@@ -12,9 +12,11 @@ tokens that followed it there, without further draft forwards (``lookup=0``: non
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-from ..drafting.quantized_copy import quantized_layers
+from ..drafting.quantized_copy import quantized_layers, weights_already_quantized
 from ..drafting.self_forward import SelfDraft
 from .self_draft import SelfDrafter
 
@@ -24,6 +26,10 @@ class QuantSelfDrafter(SelfDrafter):
 
     def __init__(self, target: torch.nn.Module, bits: int = 4, depth: int = 6, **options):
         super().__init__(target, depth=depth, **options)
+        if weights_already_quantized(self.decoder):
+            warnings.warn("quant_self on a model whose weights are already quantized (a GGUF file): its int"
+                          f"{bits} copy runs on torch's kernels, slower than the model's own; it pays with "
+                          "--weights float", stacklevel=2)
         self.bits = bits
         self.model = SelfDraft(self.decoder, weights=quantized_layers(self.decoder, bits),
                                head=self.draft_head(target, bits))
