@@ -160,8 +160,8 @@ def kernel_top(ops, scores: torch.Tensor, candidates: torch.Tensor, k: int) -> t
     n, C = scores.shape[-2:]
     s = scores.reshape(-1, n, C).float().contiguous()
     cand = candidates.to(torch.bool)
-    if cand.dim() == 2 or (cand.dim() >= 2 and cand.shape[:-2].numel() == 1):
-        cand = cand.expand(n, C).reshape(1, n, C)
+    if cand.dim() < 3 or cand.shape[:-2].numel() == 1:
+        cand = cand.reshape(cand.shape[-2:] if cand.dim() >= 2 else cand.shape).expand(n, C)[None]
     else:
         cand = cand.expand(scores.shape).reshape(-1, n, C)
     return ops.row_topk(s, cand.contiguous(), int(k)).view(scores.shape)
