@@ -58,7 +58,7 @@ def test_hip_search_matches_the_torch_search(monkeypatch, block):
     L, heads, group, d = 97, 2, 3, 16
     step = tree_step(L)
     kv = torch.randn(1, 2, heads, L + 8, d, generator=g)
-    cache = SimpleNamespace(kv=kv, layout=SimpleNamespace(kv_heads=heads), state=SimpleNamespace(read=24))
+    cache = SimpleNamespace(kv=kv, layout=SimpleNamespace(kv_heads=heads, group=group), state=SimpleNamespace(read=24))
     q = torch.randn(step.n, heads * group, d, generator=g)
     policy = HiPPolicy("0.25", block=block, sinks=4, window=8)
     rows = RowView.of(L, step)
