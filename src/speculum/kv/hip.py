@@ -7,6 +7,10 @@ query's product with one *representative* key, the half's centre, and the ``k`` 
 kept; after about ``log2(range / k)`` levels every kept range is one block, and those ``k``
 blocks are read. No cached statistics are needed: the search reads ``2k`` keys per level.
 
+Where the row kernels are built (``hip_search``, :mod:`speculum.cache.row_kernels`) the search runs per
+KV head and row in one pass, halves tied in score going to the earlier one; the torch code below is
+the reference it follows (its ``topk`` breaks ties its own way).
+
 Each query row runs the search over its own context (:mod:`speculum.kv.rows`), so tree
 verification reads what one-token steps read. Selection is per KV head (a half scores as the best
 of the head's query rows); the first ``sinks`` and last ``window`` tokens are outside the search
@@ -23,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import fold_queries
+from ..cache.row_kernels import row_kernels_for
 from .rows import RowSparsePolicy, RowView
 
 
@@ -55,6 +60,12 @@ class HiPPolicy(RowSparsePolicy):
         s = cache.layout
         kb, b = self.branches(cache.state.read), self.block
         span = (rows.positions - self.sinks - self.window).clamp(min=0)  # [n] tokens in each row's search
+        ops = row_kernels_for(q)
+        if ops is not None:  # the whole search per KV head and row in one pass, keys read in place
+            anc = rows.ancestor_columns() if int(rows.positions.max()) > rows.length else span.new_zeros(rows.n, 0)
+            chosen = ops.hip_search(q.float().contiguous(), cache.kv[layer, 0], span.contiguous(), anc.contiguous(),
+                                    rows.length, kb, b, self.sinks)
+            return (chosen & rows.context) | rows.always(self.sinks, self.window)
         blocks = (span + b - 1) // b  # [n]
         j = torch.arange(kb, device=q.device)
         start = (j[None, :] * blocks[:, None]) // kb  # [n, kb] in blocks

@@ -40,6 +40,7 @@ import torch
 
 from ..attention import Step
 from ..cache import PositionedKVCache
+from ..cache.row_kernels import row_kernels_for
 from .sparse import SparseReadPolicy, SparseState
 
 
@@ -132,7 +133,11 @@ class RowView:
 
 def top_visible(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
     """The ``k`` best candidates per row: ``scores [..., n, C]`` float, ``candidates`` bool broadcastable
-    to it -> bool ``[..., n, C]`` (every candidate where a row has ``k`` or fewer)."""
+    to it -> bool ``[..., n, C]`` (every candidate where a row has ``k`` or fewer). Ties go to the lower
+    index where the row kernels run (``row_topk``: one pass per row), torch's way elsewhere."""
+    ops = row_kernels_for(scores)
+    if ops is not None and scores.dim() >= 2:
+        return kernel_top(ops, scores, candidates, k)
     s = scores.masked_fill(~candidates, float("-inf"))
     idx = s.topk(min(k, s.shape[-1]), dim=-1).indices
     return torch.zeros(s.shape, dtype=torch.bool, device=s.device).scatter_(-1, idx, True) & candidates
@@ -141,9 +146,25 @@ def top_visible(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch
 def top_stable(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
     """:func:`top_visible` with ties broken towards the lower index (a stable sort), so that a row's
     choice does not depend on how long the vector around it is (max-pooled scores have plateaus)."""
+    ops = row_kernels_for(scores)
+    if ops is not None and scores.dim() >= 2:
+        return kernel_top(ops, scores, candidates, k)
     s = scores.masked_fill(~candidates, float("-inf"))
     idx = s.sort(dim=-1, descending=True, stable=True).indices[..., : min(k, s.shape[-1])]
     return torch.zeros(s.shape, dtype=torch.bool, device=s.device).scatter_(-1, idx, True) & candidates
+
+
+def kernel_top(ops, scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """``row_topk`` over ``scores [..., n, C]`` folded to ``[B, n, C]`` (candidates ``[n, C]`` shared by
+    every ``B``, or broadcast to the scores' shape)."""
+    n, C = scores.shape[-2:]
+    s = scores.reshape(-1, n, C).float().contiguous()
+    cand = candidates.to(torch.bool)
+    if cand.dim() < 3 or cand.shape[:-2].numel() == 1:
+        cand = cand.reshape(cand.shape[-2:] if cand.dim() >= 2 else cand.shape).expand(n, C)[None]
+    else:
+        cand = cand.expand(scores.shape).reshape(-1, n, C)
+    return ops.row_topk(s, cand.contiguous(), int(k)).view(scores.shape)
 
 
 def masked_softmax(scores: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
@@ -157,6 +178,10 @@ def row_reads(visible: torch.Tensor, rows: RowView, heads: int) -> tuple[torch.T
     masks; None: all of them) and the mask ``[H_kv, n, m + n]`` over those and the new entries, each row
     seeing its choice and itself. A policy whose choice holds for several layers computes it once."""
     L, n = rows.length, rows.n
+    ops = row_kernels_for(visible)
+    if ops is not None:
+        slots, mask, in_place = ops.row_reads(visible.to(torch.bool).contiguous(), L, heads)
+        return (None if in_place else slots), mask
     vis = visible.expand(heads, n, rows.columns).clone()
     idx = torch.arange(n, device=vis.device)
     vis[:, idx, L + idx] = True  # the row itself

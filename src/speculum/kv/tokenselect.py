@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import attention_scores, fold_queries
+from ..cache.kernels import kernels_for, mask3
 from .rows import RowSparsePolicy, RowView, kept_rows, masked_softmax, top_visible
 from .sparse import SparseState
 
@@ -142,9 +143,14 @@ class TokenSelectPolicy(RowSparsePolicy):
         """Head soft voting for rows ``q [f, H, d]`` over their ``candidates [f, L+n]`` -> ``[f, L+n]`` bool."""
         s = cache.layout
         f, end = q.shape[0], candidates.shape[1]
-        keys = cache.kv[layer, 0, :, :end]  # [H_kv, L+n, d], the new entries written
-        dots = attention_scores(fold_queries(q, s.kv_heads), keys, None, 1.0)  # [H_kv, g*f, L+n] raw q.k
-        votes = masked_softmax(dots.view(s.kv_heads, s.group, f, end), candidates).sum((0, 1))  # [f, L+n]
+        ops = kernels_for(q, s.head_dim)
+        if ops is not None:  # raw q.k, -inf off the candidates, the keys read in place
+            dots = ops.slot_scores(q, cache.kv[layer, 0], None, 0, end, mask3(candidates), 1.0, 0.0)
+            votes = dots.softmax(-1).nan_to_num_(0.0).view(s.kv_heads, s.group, f, end).sum((0, 1))  # [f, L+n]
+        else:
+            keys = cache.kv[layer, 0, :, :end]  # [H_kv, L+n, d], the new entries written
+            dots = attention_scores(fold_queries(q, s.kv_heads), keys, None, 1.0)  # [H_kv, g*f, L+n] raw q.k
+            votes = masked_softmax(dots.view(s.kv_heads, s.group, f, end), candidates).sum((0, 1))
         return top_visible(votes, candidates, cache.state.read)
 
     def before_commit(self, cache, keep) -> None:
