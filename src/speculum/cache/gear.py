@@ -245,7 +245,7 @@ class GearKVCache(QuantKVCache):
             slot, chan, delta = (x[:, :, None, :].expand(-1, -1, rows, -1) for x in outl)
             qc = qf.gather(2, chan[0])  # [H_kv, R, K]: each key outlier's channel of each row's query
             logits.scatter_add_(2, slot[0], qc * delta[0])
-        window = (qf[:, :, None, :] @ keys.float().transpose(-1, -2)[:, None]).squeeze(2)  # [H_kv, R, m]
+        window = (qf[:, :, None, :] * keys.float()[:, None]).sum(-1)  # [H_kv, R, m] (a product per row)
         z = torch.cat([logits, window], dim=-1)
         if softcap:
             z = torch.tanh(z / softcap) * softcap
