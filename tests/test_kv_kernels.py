@@ -7,6 +7,8 @@ machine runs (AVX-512, AVX2, portable):
 - ``slot_attend`` (chosen slots read in place) equals attention over the gathered copy, ``slot_scores``
   the logits over it;
 - each row's result does not depend on the other rows of the call;
+- GEAR's read through the codes (``quant_logits``, ``quant_value_sums`` and its corrections) equals
+  attention over its decoded store;
 - the caches use them: ``QuantKVCache.attend`` and ``PositionedKVCache.attend_slots`` give the torch
   path's results, and TidalDecode and Quest no longer hold gathered copies.
 """
@@ -334,3 +336,7 @@ def test_gear_read_through_the_codes_equals_decoded_attention(bits):
                     got = cache.read(layer, q, start, keys, values, visible)
                     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4,
                                                msg=f"bits {bits} softcap {softcap} start {start} layer {layer}")
+                    for i in range(n):  # each row as a one-row call gives it: rows are computed alone
+                        one = cache.read(layer, q[i:i + 1], start, keys, values,
+                                         None if visible is None else visible[i:i + 1])
+                        assert torch.equal(one, got[i:i + 1])

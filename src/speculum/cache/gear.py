@@ -83,14 +83,17 @@ def outlier_mask(x: torch.Tensor, k: int, group: int, along_tokens: bool) -> tup
 
 def _low_rank_logits(qf: torch.Tensor, a: torch.Tensor, b: torch.Tensor, which: torch.Tensor,
                      group: int) -> torch.Tensor:
-    """``q . (A B)_t`` in factored form: folded queries ``qf [H_kv, R, d]``, left factors ``a [H_kv, T, r]``,
-    the chunks' right factors ``b [H_kv, C, r, d]``, each group's chunk ``which [T / group]`` -> ``[H_kv, R, T]``
-    (each row on its own: batched products of one row)."""
+    """``q . (A B)_t`` in factored form: folded queries ``qf [H_kv, R, d]``, left factors by slot
+    ``a [H_kv, r, T]`` (transposed), the chunks' right factors ``b [H_kv, C, r, d]``, each group's chunk
+    ``which [T / group]`` -> ``[H_kv, R, T]`` (each row on its own: products of one row, elementwise sums)."""
     hkv, rows, _ = qf.shape
     qb = (qf[:, :, None, None, :] @ b.float()[:, None].transpose(-1, -2)).squeeze(-2)  # [H_kv, R, C, r]
-    qg = qb.index_select(2, which)  # [H_kv, R, T/G, r]
-    at = a.float().unflatten(1, (-1, group)).transpose(-1, -2)  # [H_kv, T/G, r, G]
-    return (qg[..., None, :] @ at[:, None]).reshape(hkv, rows, -1)
+    qg = qb.index_select(2, which)[..., None]  # [H_kv, R, T/G, r, 1]
+    at = a.float().unflatten(2, (-1, group))[:, None]  # [H_kv, 1, r, T/G, G]
+    out = qg[:, :, :, 0] * at[:, :, 0]
+    for k in range(1, at.shape[2]):
+        out += qg[:, :, :, k] * at[:, :, k]
+    return out.view(hkv, rows, -1)
 
 
 def _low_rank_sums(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, which: torch.Tensor,
@@ -99,8 +102,8 @@ def _low_rank_sums(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, which: tor
     :func:`_low_rank_logits`'s -> ``[H_kv, R, d]``."""
     hkv, rows, _ = p.shape
     chunks, r = b.shape[1], b.shape[2]
-    ag = a.float().unflatten(1, (-1, group))  # [H_kv, T/G, G, r]
-    pa = (p.unflatten(2, (-1, group))[..., None, :] @ ag[:, None]).squeeze(-2)  # [H_kv, R, T/G, r]
+    af = a.float()
+    pa = torch.stack([(p * af[:, None, k]).unflatten(2, (-1, group)).sum(-1) for k in range(r)], -1)  # [H_kv, R, T/G, r]
     per_chunk = pa.new_zeros((hkv, rows, chunks, r)).index_add_(2, which, pa)
     return (per_chunk.reshape(hkv, rows, 1, chunks * r) @ b.float().reshape(hkv, 1, chunks * r, -1)).squeeze(2)
 
@@ -122,7 +125,8 @@ class GearKVCache(QuantKVCache):
         """The codes (:meth:`QuantKVCache.allocate`) and every chunk's corrections, in per-layer tensors
         that the chunks' fields view (up to one chunk per group):
 
-        - ``fa [layers, 2, H_kv, T_cap, r]`` float16 left factors by slot (zero columns past a chunk's rank);
+        - ``fa [layers, 2, H_kv, r, T_cap]`` float16 left factors by slot, transposed (zero past a chunk's
+          rank);
         - ``fb [layers, 2, H_kv, T_cap / G, r, d]`` float16 right factors by chunk; ``chunk_of [T_cap / G]``
           each group's chunk;
         - ``oidx``, ``oval``, ``odelta [layers, 2, H_kv, K_cap]`` the outliers in chunk order (flat index in
@@ -133,14 +137,14 @@ class GearKVCache(QuantKVCache):
         cap = self.vcodes.shape[2]
         lead, dev = (s.layers, 2, s.kv_heads), self.device
         r = min(self.rank, s.head_dim)
-        self.fa = torch.zeros(lead + (cap, r), dtype=torch.float16, device=dev)
+        self.fa = torch.zeros(lead + (r, cap), dtype=torch.float16, device=dev)
         self.fb = torch.zeros(lead + (cap // G, r, s.head_dim), dtype=torch.float16, device=dev)
         self.chunk_of = torch.zeros(cap // G, dtype=torch.long, device=dev)
         kcap = int(self.sparsity * cap * s.head_dim) + cap // G + 1  # sum over chunks of round(sparsity t d)
         self.oidx = torch.zeros(lead + (kcap,), dtype=torch.int32, device=dev)
         self.oval = torch.zeros(lead + (kcap,), dtype=self.dtype, device=dev)
         self.odelta = torch.zeros(lead + (kcap,), dtype=torch.float32, device=dev)
-        self.obase = torch.zeros(kcap, dtype=torch.long, device=dev)
+        self.obase = torch.zeros(kcap, dtype=torch.int32, device=dev)
 
     def compress(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[tuple, tuple, tuple]:
         """``keys, values [..., H_kv, t, d]`` -> KIVI encodings and ``(a, b, idx, val)``, each with a kind
@@ -190,7 +194,8 @@ class GearKVCache(QuantKVCache):
             if k0 + k > self.oidx.shape[-1] or i >= self.fb.shape[3]:
                 raise ValueError(f"the GEAR store holds {self.oidx.shape[-1]} outliers and {self.fb.shape[3]} chunks")
             outl = slice(k0, k0 + k)
-            chunk = GearChunk(at, self.fa[:, :, :, at:at + t, :r], self.fb[:, :, :, i, :r], self.oidx[..., outl],
+            chunk = GearChunk(at, self.fa[:, :, :, :r, at:at + t].transpose(-1, -2), self.fb[:, :, :, i, :r],
+                              self.oidx[..., outl],
                               self.oval[..., outl], self.odelta[..., outl])
             self.chunk_of[at // self.group:(at + t) // self.group] = i
             self.obase[outl] = at * self.layout.head_dim
@@ -269,14 +274,14 @@ class GearKVCache(QuantKVCache):
         return c0, c1
 
     def _low_rank(self, layer: int, start: int):
-        """Per kind (keys, values): ``A [H_kv, T, r]``, ``B [H_kv, chunks, r, d]`` of the chunks holding slots
+        """Per kind (keys, values): ``A [H_kv, r, T]`` (transposed), ``B [H_kv, chunks, r, d]`` of the chunks holding slots
         ``start .. tq-1`` and each group's chunk ``[T / G]`` (from 0); None without factors."""
-        if self.fa.shape[-1] == 0:
+        if self.fa.shape[-2] == 0:
             return None
         c0, c1 = self._chunk_range(start)
         G = self.group
         which = self.chunk_of[start // G:self.tq // G] - c0
-        return [(self.fa[layer, kind, :, start:self.tq], self.fb[layer, kind, :, c0:c1], which, G)
+        return [(self.fa[layer, kind, :, :, start:self.tq], self.fb[layer, kind, :, c0:c1], which, G)
                 for kind in (0, 1)]
 
     def _outliers(self, layer: int, start: int):
@@ -288,10 +293,16 @@ class GearKVCache(QuantKVCache):
         if k1 == k0:
             return None
         d = self.layout.head_dim
-        flat = self.oidx[layer, :, :, k0:k1].long() + self.obase[k0:k1]  # [2, H_kv, K] slot * d + channel
-        slot = flat // d - start
-        delta = self.odelta[layer, :, :, k0:k1].masked_fill(slot < 0, 0.0)
-        return slot.clamp_(min=0), flat % d, delta
+        flat = self.oidx[layer, :, :, k0:k1] + self.obase[k0:k1]  # [2, H_kv, K] int32 slot * d + channel
+        if d & (d - 1) == 0:  # a power of two: a shift and a mask
+            slot, chan = (flat >> (d.bit_length() - 1)) - start, flat & (d - 1)
+        else:
+            slot, chan = flat // d - start, flat % d
+        delta = self.odelta[layer, :, :, k0:k1]
+        if start > self.chunks[c0].start:  # outliers of the first chunk before start: no correction
+            delta = delta.masked_fill(slot < 0, 0.0)
+            slot = slot.clamp(min=0)
+        return slot.long(), chan.long(), delta
 
     @staticmethod
     def _write_outliers(x: torch.Tensor, c: GearChunk, layer: int, start: int) -> None:
