@@ -245,11 +245,12 @@ class GearKVCache(QuantKVCache):
         lowrank = self._low_rank(layer, start)
         if lowrank is not None:
             logits += _low_rank_logits(qf, *lowrank[0])
-        outl = self._outliers(layer, start)
-        if outl is not None:
-            slot, chan, delta = (x[:, :, None, :].expand(-1, -1, rows, -1) for x in outl)
-            qc = qf.gather(2, chan[0])  # [H_kv, R, K]: each key outlier's channel of each row's query
-            logits.scatter_add_(2, slot[0], qc * delta[0])
+        outl = self._outliers(layer, start, T)
+        if outl is not None:  # rows last, so that each outlier moves R contiguous numbers
+            col, chan, delta = outl  # [2, H_kv * K] each: column (h T + slot - start), channel (h d + c), correction
+            qc = qf.transpose(1, 2).reshape(hkv * d, rows).index_select(0, chan[0])  # [H_kv K, R]
+            add = torch.zeros(hkv * T, rows).index_add_(0, col[0], qc * delta[0, :, None])
+            logits += add.view(hkv, T, rows).transpose(1, 2)
         window = (qf[:, :, None, :] * keys.float()[:, None]).sum(-1)  # [H_kv, R, m] (a product per row)
         z = torch.cat([logits, window], dim=-1)
         if softcap:
@@ -263,7 +264,9 @@ class GearKVCache(QuantKVCache):
         if lowrank is not None:
             out += _low_rank_sums(pq, *lowrank[1])
         if outl is not None:
-            out.scatter_add_(2, chan[1], pq.gather(2, slot[1]) * delta[1])
+            pc = pq.transpose(1, 2).reshape(hkv * T, rows).index_select(0, col[1])  # [H_kv K, R]
+            add = torch.zeros(hkv * d, rows).index_add_(0, chan[1], pc * delta[1, :, None])
+            out += add.view(hkv, d, rows).transpose(1, 2)
         return out.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, heads * d).to(q.dtype)
 
     def _chunk_range(self, start: int) -> tuple[int, int]:
@@ -284,15 +287,15 @@ class GearKVCache(QuantKVCache):
         return [(self.fa[layer, kind, :, :, start:self.tq], self.fb[layer, kind, :, c0:c1], which, G)
                 for kind in (0, 1)]
 
-    def _outliers(self, layer: int, start: int):
-        """The outliers of slots ``start .. tq-1``, per kind (keys, values): their column (slot - start) and
-        channel, and their corrections ``[2, H_kv, K]`` (zero where a chunk's outlier lies before
-        ``start``); None without outliers."""
+    def _outliers(self, layer: int, start: int, span: int):
+        """The outliers of slots ``start .. start+span-1``, per kind (keys, values), as flat indices over
+        the KV heads: column ``h span + slot - start`` and channel ``h d + c``, and their corrections
+        (zero where a chunk's outlier lies before ``start``), each ``[2, H_kv K]``; None without outliers."""
         c0, c1 = self._chunk_range(start)
         k0, k1 = self.kstart[c0], self.kstart[c1]
         if k1 == k0:
             return None
-        d = self.layout.head_dim
+        d, hkv = self.layout.head_dim, self.layout.kv_heads
         flat = self.oidx[layer, :, :, k0:k1] + self.obase[k0:k1]  # [2, H_kv, K] int32 slot * d + channel
         if d & (d - 1) == 0:  # a power of two: a shift and a mask
             slot, chan = (flat >> (d.bit_length() - 1)) - start, flat & (d - 1)
@@ -302,7 +305,8 @@ class GearKVCache(QuantKVCache):
         if start > self.chunks[c0].start:  # outliers of the first chunk before start: no correction
             delta = delta.masked_fill(slot < 0, 0.0)
             slot = slot.clamp(min=0)
-        return slot.long(), chan.long(), delta
+        head = torch.arange(hkv, dtype=torch.int32, device=flat.device)[:, None]
+        return ((slot + head * span).flatten(1).long(), (chan + head * d).flatten(1).long(), delta.flatten(1))
 
     @staticmethod
     def _write_outliers(x: torch.Tensor, c: GearChunk, layer: int, start: int) -> None:
