@@ -1,5 +1,6 @@
-"""Decode speed and memory of the KV policies whose reads the KV kernels serve (``kv_quant``, ``tidal``,
-``quest``) against the full cache, at one long context.
+"""Decode speed and memory of the KV policies whose reads the KV kernels serve (``kv_quant``, ``gear``,
+``tidal``, ``quest``) against the full cache, at one long context (any policy whose prefill needs no
+prompt queries can be given: not ``zipcache``).
 
 One layer-by-layer prefill of a RULER-style prompt gives every layer's keys and values; each policy's
 cache is filled from them (as its own prefill would fill it), so that the run costs one prefill
@@ -13,7 +14,7 @@ its resident memory at the start of a configuration's decoding (``VmHWM`` reset 
 layers, scores).
 
     PYTHONPATH=src python benchmarks/kv_kernels.py --length 8192 --new 24 --rounds 3 \\
-        --policies full,kv_quant,kv_quant:bits=2,tidal,quest [--weights float --dtype bfloat16]
+        --policies full,kv_quant,kv_quant:bits=2,gear,tidal,quest [--weights float --dtype bfloat16]
 """
 
 from __future__ import annotations

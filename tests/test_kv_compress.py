@@ -98,9 +98,9 @@ def test_gear_error_below_kivi_at_the_same_bits_and_bytes(bits):
     assert err["gear"] < 0.5 * err["kivi"]
     assert err["gear"] < (0.06 if bits == 4 else 0.25)
     # 4 bits: codes 1/4 of bfloat16 + float16 minima and steps; GEAR adds rank-4 factors and 2% exact entries
-    # (bits + 1) / 16 of bfloat16 for KIVI's groups; GEAR adds 2 x 4/64 for the factors and 2% x 3 for the
-    # outliers (a 4-byte index and a 2-byte value each)
-    assert err["kivi bytes"] < (bits + 1.2) / 16 and err["gear bytes"] < err["kivi bytes"] + 0.15
+    # (bits + 1) / 16 of bfloat16 for KIVI's groups; GEAR adds 2 x 4/64 for the factors and 2% x 5 for the
+    # outliers (a 4-byte index, a 2-byte value and the 4-byte correction the read through the codes adds)
+    assert err["kivi bytes"] < (bits + 1.2) / 16 and err["gear bytes"] < err["kivi bytes"] + 0.19
 
 
 def test_gear_chunk_reads_back_as_its_roundtrip():

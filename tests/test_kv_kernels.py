@@ -7,6 +7,8 @@ machine runs (AVX-512, AVX2, portable):
 - ``slot_attend`` (chosen slots read in place) equals attention over the gathered copy, ``slot_scores``
   the logits over it;
 - each row's result does not depend on the other rows of the call;
+- GEAR's read through the codes (``quant_logits``, ``quant_value_sums`` and its corrections) equals
+  attention over its decoded store;
 - the caches use them: ``QuantKVCache.attend`` and ``PositionedKVCache.attend_slots`` give the torch
   path's results, and TidalDecode and Quest no longer hold gathered copies.
 """
@@ -293,3 +295,48 @@ def test_a_killed_builds_baton_does_not_hang_the_next_load():
     (where / "lock").touch()
     assert build_extension("speculum_kvkernels", SOURCES).isa() == load_kv_kernels().isa()
     assert not (where / "lock").exists()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_gear_read_through_the_codes_equals_decoded_attention(bits):
+    """GEAR's read (the codes through ``quant_logits`` / ``quant_value_sums``, the low-rank terms factored,
+    the outliers' corrections) equals attention over the decoded store (its torch path): a prompt chunk
+    and two one-group chunks, reads from a start inside the prompt chunk, a mask, soft-capping."""
+    from speculum.cache.gear import GearKVCache
+    from speculum.cache.kernels import kv_kernels
+    from speculum.cache.window import WindowKVCache
+
+    ops = kv_kernels()
+    if ops is None:
+        pytest.skip("the KV kernels are not built here")
+    torch.manual_seed(bits)
+    for softcap in (None, 30.0):
+        layout = _layout(H=6, Hkv=2, d=64, layers=2, softcap=softcap)
+        cache = GearKVCache(layout, torch.float32, "cpu", 192, bits, 32, 32, 4, 0.02)
+        cache.allocate(192)
+        assert cache.kernel_reads(ops)
+        x = torch.randn(2, 2, 2, 128, 64)  # [layers, kind, H_kv, t, d]
+        x[:, 0, :, :, 3] += 6  # a key channel offset
+        x.view(-1)[torch.randperm(x.numel())[:200]] *= 10  # scattered outliers
+        for layer in range(2):
+            cache.store_quantized(layer, x[layer, 0, :, :64], x[layer, 1, :, :64])  # the prompt's chunk
+        cache.tq = 64
+        cache.store_block(x[:, 0, :, 64:], x[:, 1, :, 64:], None)  # two chunks of one group
+        cache.tq = 128
+        assert len(cache.chunks) == 3
+        n, m = 3, 5
+        q = torch.randn(n, 6, 64)
+        keys, values = torch.randn(2, m, 64), torch.randn(2, m, 64)
+        for start in (0, 32, 96, 128):
+            vis = torch.rand(n, 128 - start + m) < 0.7
+            vis[:, -1] = True
+            for layer in range(2):
+                for visible in (None, vis):
+                    want = WindowKVCache.read(cache, layer, q, start, keys, values, visible)
+                    got = cache.read(layer, q, start, keys, values, visible)
+                    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4,
+                                               msg=f"bits {bits} softcap {softcap} start {start} layer {layer}")
+                    for i in range(n):  # each row as a one-row call gives it: rows are computed alone
+                        one = cache.read(layer, q[i:i + 1], start, keys, values,
+                                         None if visible is None else visible[i:i + 1])
+                        assert torch.equal(one, got[i:i + 1])

@@ -15,16 +15,35 @@ steps). Per layer, KV head and kind, a chunk ``X [t, d]`` (keys or values) is st
 
 It reads back as ``D + A B`` with the outliers written over. Example with ``t = 32``, ``d = 64``,
 ``r = 4`` and 2% sparsity: 41 exact entries, 32x4 + 4x64 float16 factors, and the 4-bit codes.
+
+Reading (:meth:`GearKVCache.read`), where the KV kernels are built and read the codes' layout: nothing
+is dequantized. With ``q`` scaled and ``Δ`` an outlier's exact value minus ``D + A B`` at its entry
+(kept with it, float32), a step's logits over the store are
+
+    q . k_t = q . D_t  +  (q B^T) . A_t  +  sum over key outliers at t of q_c Δ_tc
+
+(``quant_logits`` reads the codes; the low-rank term costs ``r`` per token and ``r d`` per chunk), the
+softmax runs over them and the window's logits together, and the value sums are
+
+    sum_t p_t v_t = sum_t p_t D_t  +  sum over chunks (sum_t p_t A_t) B  +  sum over value outliers p_t Δ_tc
+
+(``quant_value_sums`` reads the codes). This equals attention over the decoded store up to float
+rounding. The factors, outliers and their corrections are stored in per-layer tensors over every chunk
+(the chunk's fields are views of them), so a read is a fixed number of operations however many chunks
+there are. Elsewhere the store is decoded and attended in torch.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
 
-from ..attention import AttentionLayout
-from .quantized import QuantKVCache
+from ..attention import AttentionLayout, grouped
+from .kernels import kernels_for, mask3
+from .quantized import _NONE, QuantKVCache
+from .window import WindowKVCache
 
 
 @dataclass
@@ -36,13 +55,14 @@ class GearChunk:
     b: torch.Tensor  # [layers, 2, H_kv, r, d] float16 right factors
     idx: torch.Tensor  # [layers, 2, H_kv, k] int32 outliers' flat index (token * d + channel) in the chunk
     val: torch.Tensor  # [layers, 2, H_kv, k] their exact values (model dtype)
+    delta: torch.Tensor  # [layers, 2, H_kv, k] float32: val minus the codes' and factors' value at the entry
 
     @property
     def end(self) -> int:
         return self.start + self.a.shape[3]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.a, self.b, self.idx, self.val))
+        return sum(t.numel() * t.element_size() for t in (self.a, self.b, self.idx, self.val, self.delta))
 
 
 def outlier_mask(x: torch.Tensor, k: int, group: int, along_tokens: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,17 +81,70 @@ def outlier_mask(x: torch.Tensor, k: int, group: int, along_tokens: bool) -> tup
     return idx, mask.view(x.shape)
 
 
+def _low_rank_logits(qf: torch.Tensor, a: torch.Tensor, b: torch.Tensor, which: torch.Tensor,
+                     group: int) -> torch.Tensor:
+    """``q . (A B)_t`` in factored form: folded queries ``qf [H_kv, R, d]``, left factors by slot
+    ``a [H_kv, r, T]`` (transposed), the chunks' right factors ``b [H_kv, C, r, d]``, each group's chunk
+    ``which [T / group]`` -> ``[H_kv, R, T]`` (each row on its own: products of one row, elementwise sums)."""
+    hkv, rows, _ = qf.shape
+    qb = (qf[:, :, None, None, :] @ b.float()[:, None].transpose(-1, -2)).squeeze(-2)  # [H_kv, R, C, r]
+    qg = qb.index_select(2, which)[..., None]  # [H_kv, R, T/G, r, 1]
+    at = a.float().unflatten(2, (-1, group))[:, None]  # [H_kv, 1, r, T/G, G]
+    out = qg[:, :, :, 0] * at[:, :, 0]
+    for k in range(1, at.shape[2]):
+        out += qg[:, :, :, k] * at[:, :, k]
+    return out.view(hkv, rows, -1)
+
+
+def _low_rank_sums(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, which: torch.Tensor,
+                   group: int) -> torch.Tensor:
+    """``sum_t p_t (A B)_t`` in factored form: probabilities ``p [H_kv, R, T]``, factors and chunks as
+    :func:`_low_rank_logits`'s -> ``[H_kv, R, d]``."""
+    hkv, rows, _ = p.shape
+    chunks, r = b.shape[1], b.shape[2]
+    af = a.float()
+    pa = torch.stack([(p * af[:, None, k]).unflatten(2, (-1, group)).sum(-1) for k in range(r)], -1)  # [H_kv, R, T/G, r]
+    per_chunk = pa.new_zeros((hkv, rows, chunks, r)).index_add_(2, which, pa)
+    return (per_chunk.reshape(hkv, rows, 1, chunks * r) @ b.float().reshape(hkv, 1, chunks * r, -1)).squeeze(2)
+
+
 class GearKVCache(QuantKVCache):
     """:class:`QuantKVCache` whose chunks carry GEAR's low-rank and sparse corrections (``rank``,
     ``sparsity``: fraction of entries kept exactly)."""
 
-    reads_codes = False  # its corrections come after decoding: read in torch, not by quant_attend
+    reads_codes = False  # not by quant_attend alone: :meth:`read` adds the corrections to the codes' read
 
     def __init__(self, layout: AttentionLayout, dtype: torch.dtype, device, capacity_hint: int, bits: int,
                  group: int, residual: int, rank: int, sparsity: float):
         super().__init__(layout, dtype, device, capacity_hint, bits, group, residual)
         self.rank, self.sparsity = rank, sparsity
         self.chunks: list[GearChunk] = []
+        self.kstart: list[int] = [0]  # chunk i's outliers are entries kstart[i] .. kstart[i+1]-1 of oidx
+
+    def allocate(self, tokens: int) -> None:
+        """The codes (:meth:`QuantKVCache.allocate`) and every chunk's corrections, in per-layer tensors
+        that the chunks' fields view (up to one chunk per group):
+
+        - ``fa [layers, 2, H_kv, r, T_cap]`` float16 left factors by slot, transposed (zero past a chunk's
+          rank);
+        - ``fb [layers, 2, H_kv, T_cap / G, r, d]`` float16 right factors by chunk; ``chunk_of [T_cap / G]``
+          each group's chunk;
+        - ``oidx``, ``oval``, ``odelta [layers, 2, H_kv, K_cap]`` the outliers in chunk order (flat index in
+          their chunk, exact value, correction) and ``obase [K_cap]`` int64 their chunk's first flat index
+          (``start * d``)."""
+        super().allocate(tokens)
+        s, G = self.layout, self.group
+        cap = self.vcodes.shape[2]
+        lead, dev = (s.layers, 2, s.kv_heads), self.device
+        r = min(self.rank, s.head_dim)
+        self.fa = torch.zeros(lead + (r, cap), dtype=torch.float16, device=dev)
+        self.fb = torch.zeros(lead + (cap // G, r, s.head_dim), dtype=torch.float16, device=dev)
+        self.chunk_of = torch.zeros(cap // G, dtype=torch.long, device=dev)
+        kcap = int(self.sparsity * cap * s.head_dim) + cap // G + 1  # sum over chunks of round(sparsity t d)
+        self.oidx = torch.zeros(lead + (kcap,), dtype=torch.int32, device=dev)
+        self.oval = torch.zeros(lead + (kcap,), dtype=self.dtype, device=dev)
+        self.odelta = torch.zeros(lead + (kcap,), dtype=torch.float32, device=dev)
+        self.obase = torch.zeros(kcap, dtype=torch.int32, device=dev)
 
     def compress(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[tuple, tuple, tuple]:
         """``keys, values [..., H_kv, t, d]`` -> KIVI encodings and ``(a, b, idx, val)``, each with a kind
@@ -88,17 +161,22 @@ class GearKVCache(QuantKVCache):
             idx = torch.zeros(x.shape[:-2] + (0,), dtype=torch.long, device=x.device)
             out = torch.zeros_like(x, dtype=torch.bool)
         kenc, venc = self.encode(keys, values, kx, vx)
-        resid = (x - torch.stack(self.decode(kenc, venc), dim=-4)).masked_fill_(out, 0)
+        decoded = torch.stack(self.decode(kenc, venc), dim=-4)
+        resid = (x - decoded).masked_fill_(out, 0)
         u, sv, vh = torch.linalg.svd(resid, full_matrices=False)
         r = min(self.rank, t, d)
         a, b = (u[..., :r] * sv[..., None, :r]).half(), vh[..., :r, :].half()
         val = x.flatten(-2).gather(-1, idx).to(self.dtype)
-        return kenc, venc, (a, b, idx.to(torch.int32), val)
+        # what a read adds at an outlier's entry: its exact value minus the codes' and factors' value there
+        delta = val.float() - (decoded + a.float() @ b.float()).flatten(-2).gather(-1, idx)
+        return kenc, venc, (a, b, idx.to(torch.int32), val, delta)
 
     @staticmethod
-    def correct(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, val: torch.Tensor) -> torch.Tensor:
+    def correct(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor, val: torch.Tensor,
+                delta: torch.Tensor | None = None) -> torch.Tensor:
         """Add the low-rank term ``a [..., t, r] @ b [..., r, d]`` to ``x [..., t, d]`` (float32) and write
-        the outliers ``val`` at flat indices ``idx [..., k]`` over it."""
+        the outliers ``val`` at flat indices ``idx [..., k]`` over it (``delta``: unused, as
+        :meth:`compress` gives it)."""
         x = x + a.float() @ b.float()
         return x.flatten(-2).scatter_(-1, idx.long(), val.float()).view(x.shape)
 
@@ -111,13 +189,19 @@ class GearKVCache(QuantKVCache):
         self.write_codes(layers, at, kenc, venc)
         chunk = self.chunks[-1] if self.chunks and self.chunks[-1].start == at else None
         if chunk is None:
-            s = self.layout
-            lead = (s.layers, 2, s.kv_heads)
-            a, b, idx, val = extra
-            chunk = GearChunk(at, a.new_zeros(lead + a.shape[-2:]), b.new_zeros(lead + b.shape[-2:]),
-                              idx.new_zeros(lead + idx.shape[-1:]), val.new_zeros(lead + val.shape[-1:]))
+            a, idx = extra[0], extra[2]
+            t, r, k, i, k0 = a.shape[-2], a.shape[-1], idx.shape[-1], len(self.chunks), self.kstart[-1]
+            if k0 + k > self.oidx.shape[-1] or i >= self.fb.shape[3]:
+                raise ValueError(f"the GEAR store holds {self.oidx.shape[-1]} outliers and {self.fb.shape[3]} chunks")
+            outl = slice(k0, k0 + k)
+            chunk = GearChunk(at, self.fa[:, :, :, :r, at:at + t].transpose(-1, -2), self.fb[:, :, :, i, :r],
+                              self.oidx[..., outl],
+                              self.oval[..., outl], self.odelta[..., outl])
+            self.chunk_of[at // self.group:(at + t) // self.group] = i
+            self.obase[outl] = at * self.layout.head_dim
             self.chunks.append(chunk)
-        chunk.a[layers], chunk.b[layers], chunk.idx[layers], chunk.val[layers] = extra
+            self.kstart.append(k0 + k)
+        chunk.a[layers], chunk.b[layers], chunk.idx[layers], chunk.val[layers], chunk.delta[layers] = extra
 
     def store_block(self, keys, values, queries) -> None:
         for i in range(0, keys.shape[-2], self.group):  # one chunk per group
@@ -133,6 +217,96 @@ class GearKVCache(QuantKVCache):
             x[:, :, a0 - start:c.end - start] += c.a[layer, :, :, a0 - c.start:].float() @ c.b[layer].float()
             self._write_outliers(x, c, layer, start)
         return x[0], x[1]
+
+    def kernel_reads(self, ops) -> bool:
+        """Whether the kernels ``ops`` read this store's codes (:meth:`read` adds the corrections)."""
+        return self.kernels_read_codes(ops)
+
+    def read(self, layer: int, q: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor,
+             visible: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`WindowKVCache.read <speculum.cache.window.WindowKVCache.read>` on the codes as stored, the
+        low-rank terms in factored form and the outliers' corrections (the module's docstring), where the
+        kernels are built and read the codes' layout; else decoded and attended in torch."""
+        s = self.layout
+        ops = kernels_for(q, s.head_dim)
+        if ops is None or not self.kernel_reads(ops):
+            return WindowKVCache.read(self, layer, q, start, keys, values, visible)
+        softcap = s.softcap or 0.0
+        if start >= self.tq:
+            return ops.quant_attend(q, *(_NONE,) * 6, self.bits, start, self.tq, keys, values,
+                                    mask3(visible), s.scale, softcap)
+        n, heads, d = q.shape
+        hkv, T = s.kv_heads, self.tq - start
+        g = heads // hkv
+        rows = g * n
+        stores = self.code_operands(layer)
+        qf = (q.float() * s.scale).view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, rows, d)  # row j n + i
+        logits = ops.quant_logits(q, *stores, self.bits, start, self.tq, s.scale)  # [H_kv, R, T]
+        lowrank = self._low_rank(layer, start)
+        if lowrank is not None:
+            logits += _low_rank_logits(qf, *lowrank[0])
+        outl = self._outliers(layer, start, T)
+        if outl is not None:  # rows last, so that each outlier moves R contiguous numbers
+            col, chan, delta = outl  # [2, H_kv * K] each: column (h T + slot - start), channel (h d + c), correction
+            qc = qf.transpose(1, 2).reshape(hkv * d, rows).index_select(0, chan[0])  # [H_kv K, R]
+            add = torch.zeros(hkv * T, rows).index_add_(0, col[0], qc * delta[0, :, None])
+            logits += add.view(hkv, T, rows).transpose(1, 2)
+        window = (qf[:, :, None, :] * keys.float()[:, None]).sum(-1)  # [H_kv, R, m] (a product per row)
+        z = torch.cat([logits, window], dim=-1)
+        if softcap:
+            z = torch.tanh(z / softcap) * softcap
+        if visible is not None:
+            z = z + grouped(visible, g, torch.float32)
+        p = torch.softmax(z, dim=-1).nan_to_num_(0.0)  # a row that sees nothing reads zeros
+        pq = p[..., :T].contiguous()
+        out = ops.quant_value_sums(pq, *stores, self.bits, start, self.tq)  # [H_kv, R, d]
+        out += (p[..., None, T:] @ values.float()[:, None]).squeeze(2)
+        if lowrank is not None:
+            out += _low_rank_sums(pq, *lowrank[1])
+        if outl is not None:
+            pc = pq.transpose(1, 2).reshape(hkv * T, rows).index_select(0, col[1])  # [H_kv K, R]
+            add = torch.zeros(hkv * d, rows).index_add_(0, chan[1], pc * delta[1, :, None])
+            out += add.view(hkv, d, rows).transpose(1, 2)
+        return out.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, heads * d).to(q.dtype)
+
+    def _chunk_range(self, start: int) -> tuple[int, int]:
+        """The chunks holding slots ``start .. tq-1``: ``c0 .. c1-1``."""
+        starts = [c.start for c in self.chunks]
+        c0 = bisect.bisect_right(starts, start) - 1
+        c1 = bisect.bisect_left(starts, self.tq)
+        return c0, c1
+
+    def _low_rank(self, layer: int, start: int):
+        """Per kind (keys, values): ``A [H_kv, r, T]`` (transposed), ``B [H_kv, chunks, r, d]`` of the chunks holding slots
+        ``start .. tq-1`` and each group's chunk ``[T / G]`` (from 0); None without factors."""
+        if self.fa.shape[-2] == 0:
+            return None
+        c0, c1 = self._chunk_range(start)
+        G = self.group
+        which = self.chunk_of[start // G:self.tq // G] - c0
+        return [(self.fa[layer, kind, :, :, start:self.tq], self.fb[layer, kind, :, c0:c1], which, G)
+                for kind in (0, 1)]
+
+    def _outliers(self, layer: int, start: int, span: int):
+        """The outliers of slots ``start .. start+span-1``, per kind (keys, values), as flat indices over
+        the KV heads: column ``h span + slot - start`` and channel ``h d + c``, and their corrections
+        (zero where a chunk's outlier lies before ``start``), each ``[2, H_kv K]``; None without outliers."""
+        c0, c1 = self._chunk_range(start)
+        k0, k1 = self.kstart[c0], self.kstart[c1]
+        if k1 == k0:
+            return None
+        d, hkv = self.layout.head_dim, self.layout.kv_heads
+        flat = self.oidx[layer, :, :, k0:k1] + self.obase[k0:k1]  # [2, H_kv, K] int32 slot * d + channel
+        if d & (d - 1) == 0:  # a power of two: a shift and a mask
+            slot, chan = (flat >> (d.bit_length() - 1)) - start, flat & (d - 1)
+        else:
+            slot, chan = flat // d - start, flat % d
+        delta = self.odelta[layer, :, :, k0:k1]
+        if start > self.chunks[c0].start:  # outliers of the first chunk before start: no correction
+            delta = delta.masked_fill(slot < 0, 0.0)
+            slot = slot.clamp(min=0)
+        head = torch.arange(hkv, dtype=torch.int32, device=flat.device)[:, None]
+        return ((slot + head * span).flatten(1).long(), (chan + head * d).flatten(1).long(), delta.flatten(1))
 
     @staticmethod
     def _write_outliers(x: torch.Tensor, c: GearChunk, layer: int, start: int) -> None:

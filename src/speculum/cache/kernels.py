@@ -2,6 +2,9 @@
 
 - ``quant_attend``: over KIVI's packed low-bit store (:class:`~speculum.cache.QuantKVCache`) and its
   full-precision residual window, scores and value sums computed from the codes;
+- ``quant_logits`` and ``quant_value_sums``: its two halves over the store alone (the logits from the
+  key codes; given probabilities, the value sums from the value codes), for a store that corrects its
+  codes in between (:class:`~speculum.cache.gear.GearKVCache`);
 - ``slot_attend``: over chosen slots of a float cache (:meth:`~speculum.cache.PositionedKVCache.attend_slots`),
   one index list per KV head, and the step's new entries, without gathering a copy.
 

@@ -716,6 +716,42 @@ Rows rows_of(const torch::Tensor& k, const torch::Tensor& v, int64_t Hkv, int64_
 
 }  // namespace
 
+// One layer's quantized store (the operands below) as a source for slots start .. tq - 1 (tq > start), checked.
+static Quant quant_of(const torch::Tensor& kcodes, const torch::Tensor& klo, const torch::Tensor& kstep,
+               const torch::Tensor& vcodes, const torch::Tensor& vlo, const torch::Tensor& vstep, int64_t bits,
+               int64_t start, int64_t tq, int64_t Hkv, int64_t d) {
+  TORCH_CHECK(bits == 2 || bits == 4, "2 or 4 bits");
+  for (const auto* t : {&kcodes, &klo, &kstep, &vcodes, &vlo, &vstep}) {
+    check_cpu(*t, "the quantized store");
+    TORCH_CHECK(t->is_contiguous() && t->dim() >= 1 && t->size(0) == Hkv,
+                "the quantized store must be contiguous, [H_kv, ...]");
+  }
+  TORCH_CHECK(kcodes.scalar_type() == torch::kUInt8 && vcodes.scalar_type() == torch::kUInt8, "codes must be uint8");
+  for (const auto* t : {&klo, &kstep, &vlo, &vstep})
+    TORCH_CHECK(t->scalar_type() == torch::kHalf, "minima and steps must be float16");
+  TORCH_CHECK(kcodes.dim() == 4 && vcodes.dim() == 3 && vlo.dim() == 3, "keys: [H_kv, T/G, d, G b/8] codes, values: "
+              "[H_kv, T, d b/8] codes and [H_kv, d/Gc, T] minima");
+  const int64_t per = 8 / bits, Tg = kcodes.size(1), G = kcodes.size(3) * per, T = vcodes.size(1);
+  const int64_t ng = vlo.size(1), Gc = d / std::max<int64_t>(1, ng);
+  TORCH_CHECK(kcodes.size(2) == d && klo.dim() == 3 && klo.size(1) == Tg && klo.size(2) == d &&
+                  kstep.sizes() == klo.sizes(), "keys: shapes");
+  TORCH_CHECK(vcodes.size(2) * per == d && vlo.size(2) == T && vstep.sizes() == vlo.sizes() && ng * Gc == d,
+              "values: shapes");
+  const Run krun = plan(G, static_cast<int>(bits)), vrun = plan(d, static_cast<int>(bits));
+  TORCH_CHECK(krun.mode >= 0 && vrun.mode >= 0 && Gc % VW == 0, "this build does not read ", bits,
+              "-bit codes in groups of ", G, " tokens, ", Gc, " channels, head dim ", d, " (see reads_packed)");
+  TORCH_CHECK(start % G == 0 && tq % G == 0 && 0 <= start && tq <= Tg * G && tq <= T, "quantized slots out of range");
+  return Quant{kcodes.data_ptr<uint8_t>(), vcodes.data_ptr<uint8_t>(),
+               reinterpret_cast<const uint16_t*>(klo.data_ptr()), reinterpret_cast<const uint16_t*>(kstep.data_ptr()),
+               reinterpret_cast<const uint16_t*>(vlo.data_ptr()), reinterpret_cast<const uint16_t*>(vstep.data_ptr()),
+               T, Tg, G, Gc, ng, krun, vrun};
+}
+
+// pieces of the quantized slots start .. tq - 1: whole groups, about SUB keys each
+static void add_quant_pieces(Problem& p, int64_t start, int64_t tq) {
+  add_pieces(p, -1, start, tq, std::max<int64_t>(1, SUB / p.quant.G) * p.quant.G);
+}
+
 // Attention of q [n, H, d] over one layer's quantized slots start .. tq - 1 (multiples of G) followed by the
 // float rows rk, rv [H_kv, Lr, d] (the residual window, the step's entries last); mask as make_problem's over
 // those tq - start + Lr columns; softcap 0 for none. The quantized operands are the layer's: kcodes
@@ -732,33 +768,102 @@ torch::Tensor quant_attend(torch::Tensor q, torch::Tensor kcodes, torch::Tensor 
   p.softcap = static_cast<float>(softcap);
   p.quant = Quant{};
   if (tq > start) {
-    TORCH_CHECK(bits == 2 || bits == 4, "2 or 4 bits");
-    for (const auto* t : {&kcodes, &klo, &kstep, &vcodes, &vlo, &vstep}) {
-      check_cpu(*t, "the quantized store");
-      TORCH_CHECK(t->is_contiguous() && t->size(0) == Hkv, "the quantized store must be contiguous, [H_kv, ...]");
-    }
-    TORCH_CHECK(kcodes.scalar_type() == torch::kUInt8 && vcodes.scalar_type() == torch::kUInt8, "codes must be uint8");
-    for (const auto* t : {&klo, &kstep, &vlo, &vstep})
-      TORCH_CHECK(t->scalar_type() == torch::kHalf, "minima and steps must be float16");
-    const int64_t per = 8 / bits, Tg = kcodes.size(1), G = kcodes.size(3) * per, T = vcodes.size(1);
-    const int64_t ng = vlo.size(1), Gc = d / std::max<int64_t>(1, ng);
-    TORCH_CHECK(kcodes.dim() == 4 && kcodes.size(2) == d && klo.dim() == 3 && klo.size(1) == Tg && klo.size(2) == d &&
-                    kstep.sizes() == klo.sizes(), "keys: shapes");
-    TORCH_CHECK(vcodes.dim() == 3 && vcodes.size(2) * per == d && vlo.dim() == 3 && vlo.size(2) == T &&
-                    vstep.sizes() == vlo.sizes() && ng * Gc == d, "values: shapes");
-    const Run krun = plan(G, static_cast<int>(bits)), vrun = plan(d, static_cast<int>(bits));
-    TORCH_CHECK(krun.mode >= 0 && vrun.mode >= 0 && Gc % VW == 0, "this build does not read ", bits,
-                "-bit codes in groups of ", G, " tokens, ", Gc, " channels, head dim ", d, " (see reads_packed)");
-    TORCH_CHECK(start % G == 0 && tq % G == 0 && 0 <= start && tq <= Tg * G && tq <= T, "quantized slots out of range");
-    p.quant = Quant{kcodes.data_ptr<uint8_t>(), vcodes.data_ptr<uint8_t>(),
-                    reinterpret_cast<const uint16_t*>(klo.data_ptr()), reinterpret_cast<const uint16_t*>(kstep.data_ptr()),
-                    reinterpret_cast<const uint16_t*>(vlo.data_ptr()), reinterpret_cast<const uint16_t*>(vstep.data_ptr()),
-                    T, Tg, G, Gc, ng, krun, vrun};
-    add_pieces(p, -1, start, tq, std::max<int64_t>(1, SUB / G) * G);
+    p.quant = quant_of(kcodes, klo, kstep, vcodes, vlo, vstep, bits, start, tq, Hkv, d);
+    add_quant_pieces(p, start, tq);
   }
   add_pieces(p, 0, 0, rk.size(1), SUB);
   TORCH_CHECK(p.Lm <= p.L, "the mask has more columns than there are keys");
   return run(p, q, scale);
+}
+
+// The two halves of quant_attend's read of the quantized slots, for a store whose entries are the codes plus
+// corrections that enter the logits and the value sums (GEAR: a low-rank term and sparse outliers): the
+// caller adds its terms to the logits, takes the softmax over every column, and adds its terms to the sums.
+
+// Logits q . k (scaled; no soft cap, no mask) of q [n, H, d] over the quantized slots start .. tq - 1 (tq >
+// start), the keys read from their codes; operands as quant_attend's. -> float32 [H_kv, g n, tq - start],
+// rows folded (row j n + i: query i, head j of the KV head's group).
+torch::Tensor quant_logits(torch::Tensor q, torch::Tensor kcodes, torch::Tensor klo, torch::Tensor kstep,
+                           torch::Tensor vcodes, torch::Tensor vlo, torch::Tensor vstep, int64_t bits, int64_t start,
+                           int64_t tq, double scale) {
+  const int64_t Hkv = kcodes.size(0), d = q.size(-1);
+  Problem p = make_problem(q, Hkv, torch::empty({0}, torch::kBool));
+  p.dtype = torch::kFloat32;
+  p.softcap = 0.0f;
+  TORCH_CHECK(tq > start, "no quantized slots to score");
+  p.quant = quant_of(kcodes, klo, kstep, vcodes, vlo, vstep, bits, start, tq, Hkv, d);
+  add_quant_pieces(p, start, tq);
+  const torch::Tensor folded = prepare(p, q, scale);
+  const int64_t ntask = static_cast<int64_t>(p.tasks.size()) - 1, R = p.R, L = p.L;
+  auto out = torch::empty({Hkv, R, L}, q.options().dtype(torch::kFloat32));
+  float* Y = out.data_ptr<float>();
+  at::parallel_for(0, Hkv * ntask, 1, [&](int64_t begin, int64_t end) {
+    Scratch s(p);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / ntask, task = item % ntask;
+      for (int64_t i = p.tasks[task]; i < p.tasks[task + 1]; ++i) {
+        const Piece& pc = p.pieces[i];
+        piece_scores(p, s, h, pc);
+        for (int64_t r = 0; r < R; ++r)
+          std::copy(s.S.data() + r * p.sp, s.S.data() + r * p.sp + pc.len, Y + (h * R + r) * L + pc.col);
+      }
+    }
+  });
+  return out;
+}
+
+// Value sums sum_t probs[h, r, t] v_t over the quantized slots start .. tq - 1 (tq > start), the values read
+// from their codes: probs float32 [H_kv, R, tq - start] (any R rows, e.g. folded), operands as quant_attend's.
+// -> float32 [H_kv, R, d].
+torch::Tensor quant_value_sums(torch::Tensor probs, torch::Tensor kcodes, torch::Tensor klo, torch::Tensor kstep,
+                           torch::Tensor vcodes, torch::Tensor vlo, torch::Tensor vstep, int64_t bits, int64_t start,
+                           int64_t tq) {
+  check_cpu(probs, "probs");
+  TORCH_CHECK(tq > start, "no quantized slots to read");
+  TORCH_CHECK(probs.scalar_type() == torch::kFloat32 && probs.dim() == 3 && probs.size(2) == tq - start,
+              "probs must be float32 [H_kv, R, tq - start]");
+  const int64_t Hkv = probs.size(0), R = probs.size(1), d = vcodes.size(2) * (8 / std::max<int64_t>(1, bits));
+  const torch::Tensor P = probs.contiguous();
+  Problem p{};
+  p.n = R, p.g = 1, p.R = R, p.d = d, p.Hkv = Hkv;
+  p.mask = nullptr, p.Hm = 1, p.Lm = 0, p.L = 0;
+  p.dtype = torch::kFloat32;
+  p.quant = quant_of(kcodes, klo, kstep, vcodes, vlo, vstep, bits, start, tq, Hkv, d);
+  TORCH_CHECK(d % VW == 0, "the head dim must be a multiple of ", VW);
+  add_quant_pieces(p, start, tq);
+  cut_tasks(p);
+  p.sp = 0;
+  for (const Piece& pc : p.pieces) p.sp = std::max(p.sp, (pc.len + VW - 1) / VW * VW + VW);
+  const int64_t ntask = static_cast<int64_t>(p.tasks.size()) - 1, L = p.L;
+  std::vector<float> po(Hkv * ntask * R * d, 0.0f);
+  const float* PP = P.data_ptr<float>();
+  at::parallel_for(0, Hkv * ntask, 1, [&](int64_t begin, int64_t end) {
+    Scratch s(p);
+    std::fill(s.alpha.begin(), s.alpha.end(), 1.0f);  // sums accumulate: nothing rescales
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / ntask, task = item % ntask;
+      float* O = po.data() + item * R * d;
+      for (int64_t i = p.tasks[task]; i < p.tasks[task + 1]; ++i) {
+        const Piece& pc = p.pieces[i];
+        const int64_t padded = (pc.len + VW - 1) / VW * VW;
+        for (int64_t r = 0; r < R; ++r) {
+          float* S = s.S.data() + r * p.sp;
+          std::copy(PP + (h * R + r) * L + pc.col, PP + (h * R + r) * L + pc.col + pc.len, S);
+          std::fill(S + pc.len, S + padded, 0.0f);
+        }
+        piece_values(p, s, h, pc, O);
+      }
+    }
+  });
+  auto out = torch::zeros({Hkv, R, d}, probs.options());
+  float* Y = out.data_ptr<float>();
+  for (int64_t h = 0; h < Hkv; ++h)  // the tasks' sums, in task order
+    for (int64_t t = 0; t < ntask; ++t) {
+      const float* o = po.data() + (h * ntask + t) * R * d;
+      float* y = Y + h * R * d;
+      for (int64_t x = 0; x < R * d; ++x) y[x] += o[x];
+    }
+  return out;
 }
 
 // Attention of q [n, H, d] over chosen slots of one layer's float cache k, v [H_kv, C, d] read in place:
@@ -864,6 +969,8 @@ std::string isa() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_attend", &quant_attend, "attention over a KIVI packed low-bit store and its float residual window");
+  m.def("quant_logits", &quant_logits, "logits over a KIVI packed low-bit store, keys read from their codes");
+  m.def("quant_value_sums", &quant_value_sums, "probability-weighted value sums over a KIVI packed store, read from the codes");
   m.def("slot_attend", &slot_attend, "attention over chosen slots of a float cache, read in place, and the new entries");
   m.def("slot_scores", &slot_scores, "attention logits over chosen or all slots of a float cache, read in place");
   m.def("isa", &isa, "instruction set of this build");

@@ -125,7 +125,8 @@ class QuantKVCache(WindowKVCache):
         resid: ``[layers, 2, H_kv, R_cap, d]`` the recent entries in the model's dtype.
 
     Class attribute ``reads_codes``: the store is the codes alone, so ``quant_attend`` reads it
-    (False in a subclass that corrects what it decodes: GEAR).
+    (False in a subclass that corrects what it decodes: GEAR, which reads the codes with the kernels'
+    two halves, ``quant_logits`` and ``quant_value_sums``, and adds its corrections in between).
     """
 
     reads_codes = True
@@ -210,12 +211,22 @@ class QuantKVCache(WindowKVCache):
         keys, values = self.decoded(layer, start)
         return keys.to(self.dtype), values.to(self.dtype)
 
+    def kernels_read_codes(self, ops) -> bool:
+        """Whether the kernels ``ops`` read this store's codes: packed runs of ``group`` key codes and ``d``
+        value codes that the build's vectors read, value channel groups of whole vectors (the default
+        groups of 32 are)."""
+        return (ops.reads_packed(self.group, self.bits) and ops.reads_packed(self.layout.head_dim, self.bits)
+                and self.cgroup % ops.vector_width == 0)
+
     def kernel_reads(self, ops) -> bool:
-        """Whether the kernels ``ops`` read this store: its codes alone (:attr:`reads_codes`), in packed
-        runs of ``group`` key codes and ``d`` value codes that the build's vectors read, value channel
-        groups of whole vectors (the default groups of 32 are)."""
-        return (self.reads_codes and ops.reads_packed(self.group, self.bits)
-                and ops.reads_packed(self.layout.head_dim, self.bits) and self.cgroup % ops.vector_width == 0)
+        """Whether ``quant_attend`` of the kernels ``ops`` reads this store: its codes alone
+        (:attr:`reads_codes`), in a layout the build reads (:meth:`kernels_read_codes`)."""
+        return self.reads_codes and self.kernels_read_codes(ops)
+
+    def code_operands(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """``layer``'s codes, minima and steps in the order the kernels take them."""
+        return (self.kcodes[layer], self.klo[layer], self.kstep[layer], self.vcodes[layer], self.vlo[layer],
+                self.vstep[layer])
 
     def read(self, layer: int, q: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor,
              visible: torch.Tensor | None) -> torch.Tensor:
@@ -225,8 +236,7 @@ class QuantKVCache(WindowKVCache):
         ops = kernels_for(q, s.head_dim)
         if ops is None or not self.kernel_reads(ops):
             return super().read(layer, q, start, keys, values, visible)
-        stores = ((self.kcodes[layer], self.klo[layer], self.kstep[layer], self.vcodes[layer], self.vlo[layer],
-                   self.vstep[layer]) if start < self.tq else (_NONE,) * 6)
+        stores = self.code_operands(layer) if start < self.tq else (_NONE,) * 6
         return ops.quant_attend(q, *stores, self.bits, start, self.tq, keys, values, mask3(visible), s.scale,
                                 s.softcap or 0.0)
 

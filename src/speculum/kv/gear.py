@@ -2,8 +2,10 @@
 Near-Lossless Generative Inference of LLM"). Every entry is quantized to a few bits; what
 quantization gets wrong is approximated by a low-rank matrix (rank ``r`` per head, from the
 residual's SVD), and the few entries it would get most wrong (a fraction ``s`` of outliers) are kept
-exactly in a sparse matrix. Reads reconstruct ``quantized + low-rank + sparse``
-(:class:`~speculum.cache.gear.GearKVCache`).
+exactly in a sparse matrix. Reads attend over ``quantized + low-rank + sparse``
+(:class:`~speculum.cache.gear.GearKVCache`): on CPUs through the packed codes with the KV kernels,
+the low-rank term in factored form and the outliers as exact corrections, nothing dequantized;
+elsewhere decoded and attended in torch.
 
 The quantized backbone is KIVI's (keys per channel in groups of ``group`` tokens, values per
 token), with its full-precision window of recent entries; the prompt's quantized part is one
