@@ -109,12 +109,28 @@ def test_del_probes_every_nth_step():
     p = [5, 9, 2, 7, 7, 1, 3, 8, 4, 6, 2]
     counts = {}
     for every in (1, 1000):
-        method = build_method("del", model, None, sized=False, exits=[1, 2], decay=1.0, probe_every=every)
+        method = build_method("del", model, None, sized=False, exits=[1, 2], decay=1.0, probe_every=every,
+                              idle_backoff=1)
         r = method.run(p, 20)
         # the steps' rows: every step but the last (after which the request ended) hands over its committed tokens
         counts[every] = (method.engine.drafter.rates.seen[1], sum(s.committed for s in r.steps[:-1]))
     assert counts[1000][0] == len(p) - 1  # the prompt's rows (all but its last token) only
     assert counts[1][0] == len(p) - 1 + counts[1][1]
+
+
+def test_del_probes_less_while_it_drafts_nothing():
+    """``idle_backoff``: where no exit is worth drafting, the steps' shadow tokens are counted with a
+    growing gap (fewer than every step's, more than none), and the output stays ``ar``'s."""
+    model = tiny_llama(layers=3)
+    p = [5, 9, 2, 7, 7, 1, 3, 8, 4, 6, 2]
+    method = build_method("del", model, None, sized=False, exits=[1, 2], decay=1.0, idle_backoff=4)
+    drafter = method.engine.drafter
+    drafter.costs = {1: 10.0, 2: 10.0}  # a draft forward dearer than a step: nothing is worth drafting
+    r = method.run(p, 30)
+    assert r.tokens == build_method("ar", model, None).run(p, 30).tokens
+    assert not any(s.drafted for s in r.steps)
+    steps = sum(s.committed for s in r.steps[:-1])
+    assert len(p) - 1 < drafter.rates.seen[1] < len(p) - 1 + steps / 2
 
 
 def test_del_refuses_bad_exits():

@@ -44,6 +44,11 @@ Departures from the paper, and why:
   (``allow_none=False``).
 - ``probe_every`` (default 1, the paper's every step): count shadow tokens only every that many
   steps (the prompt's always), to cut their LM-head products where a step is cheap.
+- ``idle_backoff`` (default 16): while the steps draft nothing, the gap between counted steps doubles,
+  up to that many steps (1: every step, as the paper); it resets once a step drafts. The shadow tokens'
+  LM-head product costs about a quarter of a quantized model's step on a CPU, which a model whose
+  exits are never worth drafting with would otherwise pay on every step; an easier context is then
+  noticed at most ``idle_backoff`` steps late.
 - ``exit_confidence`` (default 0: off): the self-drafters' early stop of a chain at an unsure token.
 
 Shapes: ``m`` committed rows seen at once, ``k`` candidate exits, ``D`` hidden size, ``V`` vocabulary.
@@ -98,18 +103,20 @@ class DelDrafter(SelfDrafter):
 
     def __init__(self, target: torch.nn.Module, exits: Sequence[int] | None = None, max_exits: int = 6,
                  depth: int = 8, decay: float = 0.95, prompt_rows: int = 16, allow_none: bool = True,
-                 probe_every: int = 1, exit_confidence: float = 0.0, lookup: int = 0, **options):
+                 probe_every: int = 1, idle_backoff: int = 16, exit_confidence: float = 0.0, lookup: int = 0,
+                 **options):
         super().__init__(target, depth=depth, exit_confidence=exit_confidence, lookup=lookup, **options)
         n = self.decoder.shape.layers
         exits = spaced_exits(n, max_exits) if exits is None else tuple(sorted(set(exits)))
         if not exits or any(not 1 <= e < n for e in exits):
             raise SpeculumError(f"del exits after one of the layers 1..{n - 1}; got {list(exits)}")
-        if probe_every < 1:
-            raise SpeculumError(f"del's probe_every is at least 1; got {probe_every}")
+        if probe_every < 1 or idle_backoff < 1:
+            raise SpeculumError(f"del's probe_every and idle_backoff are at least 1; got {probe_every}, {idle_backoff}")
         if not 0.0 < decay <= 1.0:
             raise SpeculumError(f"del's decay is in (0, 1]; got {decay}")
         self.exits, self.max_depth, self.decay = exits, depth, decay
         self.prompt_rows, self.allow_none, self.probe_every = prompt_rows, allow_none, probe_every
+        self.idle_backoff = idle_backoff
         # hidden state l: the output of the first l layers; the last (N): the target's final feature
         self.hidden_layers = (*exits, n)
         self.costs = {e: kept_share(self.decoder, e) for e in exits}
@@ -122,6 +129,7 @@ class DelDrafter(SelfDrafter):
         super().reset(prompt_ids, params, generator)
         self.rates = ExitRates(self.exits, self.decay)
         self.hidden_seen = 0  # calls of see_hidden this request (the prompt's first)
+        self.idle_gap, self.idle_skip = 1, 0  # while not drafting: the gap between counted steps, steps left
 
     def fork(self) -> DelDrafter:
         twin = super().fork()
@@ -140,8 +148,15 @@ class DelDrafter(SelfDrafter):
         prefill: only its last ``prompt_rows`` count): each candidate exit's shadow token at each
         row is counted against the target's own (its final layer's), in one LM-head product."""
         self.hidden_seen += 1
-        if self.hidden_seen > 1 and (self.hidden_seen - 1) % self.probe_every:
-            return
+        if self.hidden_seen > 1:
+            if (self.hidden_seen - 1) % self.probe_every:
+                return
+            idle = self.choice[1] == 0  # the step just verified drafted nothing
+            if idle and self.idle_skip:
+                self.idle_skip -= 1
+                return
+            self.idle_gap = min(2 * self.idle_gap, self.idle_backoff) if idle else 1
+            self.idle_skip = self.idle_gap - 1 if idle else 0
         final = self.decoder.shape.layers
         keep = max(self.prompt_rows, self.max_depth + 1)
         rows = min(hidden[final].shape[0], keep)
