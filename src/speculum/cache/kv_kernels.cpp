@@ -680,6 +680,29 @@ torch::Tensor run(Problem& p, const torch::Tensor& q, double scale) {
   return out.to(q.scalar_type());
 }
 
+// Every piece's logits (piece_scores, then piece_logits' cap and mask) written out rather than attended:
+// float32 [H_kv, R, L], rows folded. (quant_logits and slot_scores.)
+torch::Tensor logits_table(Problem& p, const torch::Tensor& q, double scale) {
+  const torch::Tensor folded = prepare(p, q, scale);  // p reads the folded queries: kept alive to the end
+  const int64_t ntask = static_cast<int64_t>(p.tasks.size()) - 1, R = p.R, L = p.L, Hkv = p.Hkv;
+  auto out = torch::empty({Hkv, R, L}, q.options().dtype(torch::kFloat32));
+  float* Y = out.data_ptr<float>();
+  at::parallel_for(0, Hkv * std::max<int64_t>(ntask, 0), 1, [&](int64_t begin, int64_t end) {
+    Scratch s(p);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item / ntask, task = item % ntask;
+      for (int64_t i = p.tasks[task]; i < p.tasks[task + 1]; ++i) {
+        const Piece& pc = p.pieces[i];
+        piece_scores(p, s, h, pc);
+        piece_logits(p, s, h, pc);
+        for (int64_t r = 0; r < R; ++r)
+          std::copy(s.S.data() + r * p.sp, s.S.data() + r * p.sp + pc.len, Y + (h * R + r) * L + pc.col);
+      }
+    }
+  });
+  return out;
+}
+
 void check_cpu(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
@@ -793,23 +816,7 @@ torch::Tensor quant_logits(torch::Tensor q, torch::Tensor kcodes, torch::Tensor 
   TORCH_CHECK(tq > start, "no quantized slots to score");
   p.quant = quant_of(kcodes, klo, kstep, vcodes, vlo, vstep, bits, start, tq, Hkv, d);
   add_quant_pieces(p, start, tq);
-  const torch::Tensor folded = prepare(p, q, scale);
-  const int64_t ntask = static_cast<int64_t>(p.tasks.size()) - 1, R = p.R, L = p.L;
-  auto out = torch::empty({Hkv, R, L}, q.options().dtype(torch::kFloat32));
-  float* Y = out.data_ptr<float>();
-  at::parallel_for(0, Hkv * ntask, 1, [&](int64_t begin, int64_t end) {
-    Scratch s(p);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / ntask, task = item % ntask;
-      for (int64_t i = p.tasks[task]; i < p.tasks[task + 1]; ++i) {
-        const Piece& pc = p.pieces[i];
-        piece_scores(p, s, h, pc);
-        for (int64_t r = 0; r < R; ++r)
-          std::copy(s.S.data() + r * p.sp, s.S.data() + r * p.sp + pc.len, Y + (h * R + r) * L + pc.col);
-      }
-    }
-  });
-  return out;
+  return logits_table(p, q, scale);
 }
 
 // Value sums sum_t probs[h, r, t] v_t over the quantized slots start .. tq - 1 (tq > start), the values read
@@ -936,24 +943,7 @@ torch::Tensor slot_scores(torch::Tensor q, torch::Tensor k, std::optional<torch:
     add_pieces(p, 0, start, length, SUB);
   }
   TORCH_CHECK(p.Lm <= p.L, "the mask has more columns than there are keys");
-  const torch::Tensor folded = prepare(p, q, scale);
-  const int64_t ntask = static_cast<int64_t>(p.tasks.size()) - 1, R = p.R, L = p.L;
-  auto out = torch::empty({Hkv, R, L}, q.options().dtype(torch::kFloat32));
-  float* Y = out.data_ptr<float>();
-  at::parallel_for(0, Hkv * std::max<int64_t>(ntask, 0), 1, [&](int64_t begin, int64_t end) {
-    Scratch s(p);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / ntask, task = item % ntask;
-      for (int64_t i = p.tasks[task]; i < p.tasks[task + 1]; ++i) {
-        const Piece& pc = p.pieces[i];
-        piece_scores(p, s, h, pc);
-        piece_logits(p, s, h, pc);
-        for (int64_t r = 0; r < R; ++r)
-          std::copy(s.S.data() + r * p.sp, s.S.data() + r * p.sp + pc.len, Y + (h * R + r) * L + pc.col);
-      }
-    }
-  });
-  return out;
+  return logits_table(p, q, scale);
 }
 
 // The instruction set this build uses.
