@@ -10,11 +10,14 @@ training), or ``--draft-model``. Methods, run interleaved per prompt after one w
 - ``sequential``: the same drafter with ``post_verify=False`` (same chunk length rule), at
   ``--seq-threads`` torch threads (default 2: sequential drafting may use both cores for each forward).
 - ``draft_model``: speculum's ``draft_model`` method with the same draft (its own length rule).
-- ``pearl``: PEARL, adaptive length, at ``--threads`` torch threads (default 1: one core for the
-  target, one for the draft).
+- ``pearl``: PEARL (pre- and post-verify), adaptive length, at ``--threads`` torch threads (default 1:
+  one core for the target, one for the draft).
+- ``pearl_post``: PEARL with post-verify only (``pre_verify=False``: a chunk drafted after a rejection
+  is drafted whole in the foreground), same threads.
 
 Greedy, float32: every method's output is checked equal to ``ar``'s. Prints tok/s per method
-(new tokens over decode time), PEARL's post-verify hits and misses, and the ratio pearl / sequential.
+(new tokens over decode time), how many of PEARL's chunks came ready from the draft's thread, and the
+ratios pearl / sequential and pearl_post / sequential.
 
     OMP_NUM_THREADS=2 PYTHONPATH=src python benchmarks/pearl_vs_sequential.py --prompts 3 --new 48
 
@@ -79,11 +82,14 @@ def main() -> None:
                        args.seq_threads),
         "draft_model": (Engine(runner, DraftModelDrafter(draft), tok), args.seq_threads),
         "pearl": (Engine(runner, pearl, tok), args.threads),
+        "pearl_post": (Engine(runner, PearlDrafter(draft, gamma=args.gamma, pre_verify=False), tok), args.threads),
     }
     for engine, threads in methods.values():  # warm-up
         torch.set_num_threads(threads)
         engine.generate(ids[0], 8)
-    pearl.hits = pearl.misses = 0
+    for engine, _ in methods.values():
+        if isinstance(engine.drafter, PearlDrafter):
+            engine.drafter.hits = engine.drafter.misses = 0
     rates: dict[str, list[float]] = {m: [] for m in methods}
     accepted: dict[str, list[float]] = {m: [] for m in methods}
     for p, prompt in zip(prompts, ids):
@@ -103,10 +109,12 @@ def main() -> None:
     for name in methods:
         print(f"{name:>12}: {statistics.mean(rates[name]):6.1f} tok/s (mean over prompts), "
               f"{statistics.mean(accepted[name]):.2f} tokens per step")
-    ratio = statistics.mean(a / b for a, b in zip(rates["pearl"], rates["sequential"]))
-    print(f"pearl / sequential: {ratio:.2f}x; pearl / ar: "
-          f"{statistics.mean(a / b for a, b in zip(rates['pearl'], rates['ar'])):.2f}x; "
-          f"post-verify hits {pearl.hits}, misses {pearl.misses}")
+    for name in ("pearl", "pearl_post"):
+        ratio = statistics.mean(a / b for a, b in zip(rates[name], rates["sequential"]))
+        drafter = methods[name][0].drafter
+        print(f"{name} / sequential: {ratio:.2f}x; {name} / ar: "
+              f"{statistics.mean(a / b for a, b in zip(rates[name], rates['ar'])):.2f}x; "
+              f"chunks ready from the draft's thread {drafter.hits}, not {drafter.misses}")
 
 
 if __name__ == "__main__":

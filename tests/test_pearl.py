@@ -1,6 +1,7 @@
-"""PEARL (drafters/pearl.py): lossless greedy and sampled output, and its post-verify rule (the
+"""PEARL (drafters/pearl.py): lossless greedy and sampled output, its post-verify rule (the
 continuation drafted while the target verifies is the next chunk exactly when the last chunk was
-accepted whole and the bonus token is the continuation's first token)."""
+accepted whole and the bonus token is the continuation's first token) and pre-verify (where no chunk
+is ready, the first token is proposed alone and the rest drafted beside its check)."""
 
 from __future__ import annotations
 
@@ -67,23 +68,30 @@ class CountingRunner:
         return getattr(self.runner, name)
 
 
+def proposals_of(drafter) -> list[tuple[list[int], int]]:
+    """Wraps ``drafter.propose`` (its runner a :class:`CountingRunner`): each step's proposed tokens
+    and how many draft forwards ran in the engine's thread while proposing them."""
+    trees = []
+    real_propose = drafter.propose
+
+    def propose(tokens, budget):
+        before = len(drafter.runner.threads)
+        tree = real_propose(tokens, budget)
+        trees.append((list(tree.tokens), sum(drafter.runner.threads[before:])))
+        return tree
+
+    drafter.propose = propose
+    return trees
+
+
 def test_post_verify_rule_on_a_perfect_draft(llama):
     """A draft that is the target: the first chunk (gamma = 3) is drafted in the foreground; its
     continuation, drafted in the background during verification, starts with the bonus token, so
     every later chunk is the continuation's next three tokens, ready without a foreground forward."""
     runner = NativeRunner(llama)
-    drafter = PearlDrafter(copy.deepcopy(llama), gamma=3)
+    drafter = PearlDrafter(copy.deepcopy(llama), gamma=3, pre_verify=False)
     drafter.runner = CountingRunner(drafter.runner)
-    trees = []
-    real_propose = drafter.propose
-
-    def propose(tokens, budget):
-        before = list(drafter.runner.threads)
-        tree = real_propose(tokens, budget)
-        trees.append((list(tree.tokens), sum(drafter.runner.threads[len(before):])))  # engine-thread forwards
-        return tree
-
-    drafter.propose = propose
+    trees = proposals_of(drafter)
     result = Engine(runner, drafter, eos_token_ids=[]).generate(PROMPT, 21)
     want = ar_tokens(runner, PROMPT, 21)
     assert result.tokens == want
@@ -97,11 +105,31 @@ def test_post_verify_rule_on_a_perfect_draft(llama):
     assert [s.committed for s in result.steps] == [4] * 5 + [1]
 
 
-def test_no_reuse_when_the_bonus_differs(llama):
-    """A continuation whose first token is not the target's bonus token is dropped: the next
-    chunk is drafted afresh (a miss), and the output stays ar's."""
+def test_pre_verify_proposes_the_first_token_alone_and_the_rest_after_its_check(llama):
+    """Pre-verify on a perfect draft (gamma = 3): the first step proposes one token, drafted in the
+    foreground; the rest of its chunk is drafted beside the target's check of it, and that check's
+    bonus token is the continuation's first, so the next step proposes the continuation's next three
+    tokens without a foreground forward, and post-verify goes on from there."""
     runner = NativeRunner(llama)
-    drafter = PearlDrafter(copy.deepcopy(llama), gamma=2)
+    drafter = PearlDrafter(copy.deepcopy(llama), gamma=3)
+    drafter.runner = CountingRunner(drafter.runner)
+    trees = proposals_of(drafter)
+    result = Engine(runner, drafter, eos_token_ids=[]).generate(PROMPT, 22)
+    want = ar_tokens(runner, PROMPT, 22)
+    assert result.tokens == want
+    assert trees[0] == (want[:1], 1)  # one token, one foreground forward
+    assert trees[1] == (want[2:5], 0)  # the rest of the chunk: ready (want[1] was the check's bonus)
+    assert [s.committed for s in result.steps][:3] == [2, 4, 4]
+    assert drafter.misses == 0 and drafter.hits == len(trees) - 1
+
+
+@pytest.mark.parametrize("pre_verify", [True, False])
+def test_no_reuse_when_the_bonus_differs(llama, pre_verify):
+    """A continuation whose first token is not the target's bonus token is dropped: the next
+    chunk is drafted afresh (a miss), and the output stays ar's. With pre-verify a fresh chunk is
+    its first token alone; without, the whole chunk."""
+    runner = NativeRunner(llama)
+    drafter = PearlDrafter(copy.deepcopy(llama), gamma=2, pre_verify=pre_verify)
     real_after = drafter.draft_after
 
     def wrong_first(last, limit, out, stop=None):
@@ -112,7 +140,7 @@ def test_no_reuse_when_the_bonus_differs(llama):
     result = Engine(runner, drafter, eos_token_ids=[]).generate(PROMPT, 20)
     assert result.tokens == ar_tokens(runner, PROMPT, 20)
     assert drafter.hits == 0 and drafter.misses == len(result.steps) - 1
-    assert all(s.drafted == 2 for s in result.steps[:-1])
+    assert all(s.drafted == (1 if pre_verify else 2) for s in result.steps[:-1])
 
 
 def test_sequential_mode_drafts_in_the_engine_thread(llama):

@@ -21,9 +21,16 @@ on a CPU the draft takes one core while the target's verification takes the othe
 continuation runs until :meth:`update` says the verification is over (``gamma=None``, the
 paper's adaptive length), or for ``gamma`` tokens (fixed chunks, deterministic). A chunk drafted
 after a rejection is drafted in the foreground, ``gamma`` tokens long, where ``gamma=None`` takes
-the measured ratio of verification time to draft-token time (the paper's rule). Pre-verify is not
-done: it needs the engine to run the target forward beside the drafter (the engine's step runs
-propose, then verifies); after a rejection this drafter drafts like ``draft_model``.
+the measured ratio of verification time to draft-token time (the paper's rule).
+
+Pre-verify (``pre_verify``, default on) runs through the same thread: where no chunk is ready (a
+request's first step, or after a rejection) only the first token is drafted in the foreground and
+proposed alone; the rest of the chunk is the continuation the draft writes while the target
+verifies that token. The target's forward over the one token both verifies it and gives the bonus
+token after it, so the rest of the chunk is used exactly when the token is accepted and the bonus is
+the continuation's first token, as in post-verify; a rejected first token wastes only the draft
+forwards that ran beside the target's. ``pre_verify=False`` drafts a fresh chunk whole in the
+foreground, as ``draft_model`` does.
 
 Verification is the engine's usual one, so the output is exactly the target's (greedy) or
 distributed as the target's (sampled: the continuation is sampled from the draft's q with a
@@ -108,7 +115,7 @@ class Continuation:
 
 
 class PearlDrafter(DraftModelDrafter):
-    """PEARL's post-verify over a draft model with the target's tokenizer (chains only).
+    """PEARL's pre- and post-verify over a draft model with the target's tokenizer (chains only).
 
     Args:
         draft_model: the draft (a transformers causal LM, its own runner and cache).
@@ -118,18 +125,21 @@ class PearlDrafter(DraftModelDrafter):
         max_draft: the most tokens a chunk takes (the engine's budget may cut it further).
         post_verify: False drafts sequentially (``draft_model``'s chain with PEARL's lengths), the
             comparison of ``benchmarks/pearl_vs_sequential.py``.
+        pre_verify: where no chunk is ready, propose only the first drafted token and draft the rest
+            of the chunk while the target verifies it (needs ``post_verify``).
     """
 
     name = "pearl"
 
     def __init__(self, draft_model: torch.nn.Module, gamma: int | None = None, max_draft: int = 16,
-                 post_verify: bool = True):
+                 post_verify: bool = True, pre_verify: bool = True):
         if gamma is not None and gamma < 1:
             raise SpeculumError(f"pearl's gamma is a chunk length >= 1 (or None: adaptive); got {gamma}")
         if max_draft < 1:
             raise SpeculumError(f"pearl's max_draft must be >= 1; got {max_draft}")
         super().__init__(draft_model, num_draft=max_draft, adaptive=False)
         self.gamma, self.post_verify = gamma, post_verify
+        self.pre_verify = pre_verify and post_verify
         self.hits = self.misses = 0  # steps whose chunk came ready from post-verify / not (all requests)
         self.job: Continuation | None = None
         # one draft forward at a time on the draft's runner: the forks of a batch share it
@@ -168,6 +178,8 @@ class PearlDrafter(DraftModelDrafter):
     def propose(self, tokens: list[int], budget: int) -> DraftTree:
         chunk = self._ready_chunk(tokens)  # the draft cache holds tokens + chunk[:-1] (tokens[:-1] if empty)
         want = max(min(self._chunk_length(), budget), 0)
+        if self.pre_verify and not chunk.tokens:  # nothing ready: the first token alone, the rest beside its check
+            want = min(want, 1)
         if len(chunk) > want:
             chunk = chunk.head(want)
             self.cache.rollback(len(tokens) - 1 + want)
