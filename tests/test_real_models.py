@@ -249,3 +249,26 @@ def test_gemma3_gguf_lossless(gemma3_gguf):
     kinds = {qw.source for qw in model.speculum_quant.values()}
     assert {"Q4_K", "Q6_K", "Q5_0", "Q8_0"} <= {part for k in kinds for part in k.split("+")}
     _check_gguf(model, tok, [PROMPTS[-1] * 3], False, ("ngram", "mix", "eagle", "auto"), new=32)
+
+
+# the drafting systems added after the table above: model-free (aded, stand), draft models (bild,
+# specdecpp, pearl: the target itself as the draft, so every drafted token is its own and rejections
+# are left to the tiny models' tests), self-speculation (del, drafting every step) and a head adapting
+# online (medusa_online) -> options
+NEWER_DRAFTERS = {"aded": {}, "stand": {}, "bild": {}, "specdecpp": {}, "pearl": {"gamma": 3},
+                  "del": {"sized": False, "allow_none": False}, "medusa_online": {"sized": False, "every": 2}}
+
+
+@pytest.mark.filterwarnings("ignore:specdecpp")
+def test_gemma3_newer_drafters_lossless(gemma3_f32):
+    """Gemma-3-270M (float32) on the repetitive prompt: each of the newer drafters gives ar's tokens
+    (SmolLM2's checks are in each drafter's own test file)."""
+    model, tok = gemma3_f32
+    runner = runner_for(model)
+    ids = encode_prompt(tok, PROMPTS[4], chat=False)
+    ref = build_method("ar", model, tok, runner=runner).run(ids, 24).tokens
+    for name, options in NEWER_DRAFTERS.items():
+        method = build_method(name, model, tok, model, tok, runner=runner, cost_model=GEMMA3_F32_COST, **options)
+        out = method.run(ids, 24)
+        assert out.tokens == ref, name
+        assert sum(s.drafted for s in out.steps) > 0, name
