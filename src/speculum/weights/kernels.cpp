@@ -439,9 +439,13 @@ std::string isa() {
 
 void register_layer_ops(pybind11::module& m);  // layer_ops.cpp
 
+// The kernels read and write tensors only, never a Python object: the GIL is released while they run,
+// so other Python threads (PEARL's draft, a server's other engine) run on the other cores meanwhile.
+static const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_layer_ops(m);
-  m.def("qlinear", &qlinear, "x @ W^T on block-quantized W, x rounded to 8 bits per block of 32");
-  m.def("dequant_rows", &dequant_rows, "rows of a block-quantized W, dequantized");
+  m.def("qlinear", &qlinear, "x @ W^T on block-quantized W, x rounded to 8 bits per block of 32", kNoGil);
+  m.def("dequant_rows", &dequant_rows, "rows of a block-quantized W, dequantized", kNoGil);
   m.def("isa", &isa, "instruction set of this build");
 }

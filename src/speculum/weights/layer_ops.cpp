@@ -436,6 +436,10 @@ struct QuantLayer {
 
 }  // namespace
 
+// The kernels read and write tensors only, never a Python object: the GIL is released while they run,
+// so other Python threads (PEARL's draft, a server's other engine) run on the other cores meanwhile.
+static const auto kNoGil = pybind11::call_guard<pybind11::gil_scoped_release>();
+
 void register_layer_ops(pybind11::module& m) {
   pybind11::class_<QuantLayer>(m, "QuantLayer")
       .def(pybind11::init([](torch::Tensor in_scale, double in_eps, QuantArgs qkv, int64_t heads, int64_t kv_heads,
@@ -447,10 +451,10 @@ void register_layer_ops(pybind11::module& m) {
                                o, post_attn, pre_mlp, post_attn_eps, pre_mlp_eps, gate_up, down, gelu, post_mlp,
                                post_mlp_eps};
            }))
-      .def("step", &QuantLayer::step, "one decode or verification step of the layer");
-  m.def("mlp", &mlp, "a quantized gated MLP (fused gate-up product, SiLU or GELU-tanh gate, down product)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
-  m.def("add_rms_norm", &add_rms_norm, "residual add (with an optional norm of the addend) and the next norm");
-  m.def("rope_qkv", &rope_qkv, "split a fused QKV output, per-head q/k norms, rotary embedding");
-  m.def("attend_cache", &attend_cache, "write new keys/values into a static cache and attend over it");
+      .def("step", &QuantLayer::step, "one decode or verification step of the layer", kNoGil);
+  m.def("mlp", &mlp, "a quantized gated MLP (fused gate-up product, SiLU or GELU-tanh gate, down product)", kNoGil);
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows", kNoGil);
+  m.def("add_rms_norm", &add_rms_norm, "residual add (with an optional norm of the addend) and the next norm", kNoGil);
+  m.def("rope_qkv", &rope_qkv, "split a fused QKV output, per-head q/k norms, rotary embedding", kNoGil);
+  m.def("attend_cache", &attend_cache, "write new keys/values into a static cache and attend over it", kNoGil);
 }
