@@ -318,3 +318,36 @@ def test_kv_draft_drafts_on_quantized_weights_as_they_are():
     quantized, plain = KVDraftDrafter(_quantized_tiny("llama", "int8")), KVDraftDrafter(tiny_llama(layers=2))
     assert quantized.model.weights[0] is quantized.decoder.layers[0]
     assert plain.model.weights[0] is not plain.decoder.layers[0]
+
+
+def _head_products(drafter, kind: str) -> list:
+    """The drafting-time products of a learned drafter's head (after ``freeze``)."""
+    head = drafter.adapter if kind == "kangaroo" else drafter.head
+    if kind == "medusa":
+        return [head._first] + [lin for rest in head._rest for lin in rest]
+    if kind == "hydra":
+        return [lin for proj, blocks in head._fast for lin in (proj, *blocks)]
+    return list(head._fast.values())
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "hydra", "kangaroo"])
+def test_heads_draft_on_q8_copies_for_a_quantized_target(tmp_path, kind):
+    """A head drafting for a model on quantized weights runs its own products on Q8_0 copies (the
+    kernels'), and the output is still plain greedy decoding's; for a float model they stay float."""
+    from conftest import random_head
+
+    from speculum.methods import build_method
+    from speculum.weights import QuantizedLinear
+
+    model = _quantized_tiny("llama", "int8")
+    path = random_head(model, tmp_path / f"{kind}.safetensors", kind=kind)
+    method = build_method(kind, model, None, runner=NativeRunner(model), draft_head=str(path), sized=False)
+    products = _head_products(method.engine.drafter, kind)
+    assert products and all(isinstance(p, QuantizedLinear) for p in products)
+    runner = NativeRunner(model)
+    want = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[]).generate([1, 5, 9, 13, 2], 24).tokens
+    assert method.engine.generate([1, 5, 9, 13, 2], 24).tokens == want
+    float_model = tiny_llama(layers=2)
+    float_path = random_head(float_model, tmp_path / f"float-{kind}.safetensors", kind=kind)
+    float_method = build_method(kind, float_model, None, draft_head=str(float_path), sized=False)
+    assert not any(isinstance(p, QuantizedLinear) for p in _head_products(float_method.engine.drafter, kind))

@@ -9,6 +9,7 @@ packaged models ship in ``speculum/heads/weights/<target key>/<kind>.safetensors
 
 from __future__ import annotations
 
+import inspect
 import json
 import weakref
 from collections.abc import Sequence
@@ -309,8 +310,12 @@ def head_for_target(target: torch.nn.Module, kind: str, files: HeadFiles,
         from ..weights import model_device, model_dtype
 
         dtype = model_dtype(target)
-        head = loaded.module.to(dtype).to(model_device(target)).freeze()
         tables = TargetTables.of(target, loaded.draft_vocab, dtype, drafting=True)
+        head = loaded.module.to(dtype).to(model_device(target))
+        # a target on quantized weights (its LM head drafting on its quantized rows): the head's own
+        # products on Q8_0 copies too, a quarter of float32's bytes, where its freeze() takes that
+        quantize = tables.quantized is not None and "quantized" in inspect.signature(head.freeze).parameters
+        head = head.freeze(quantized=True) if quantize else head.freeze()
         per_target[key] = head, head.own_tables(tables) if hasattr(head, "own_tables") else tables
     head, tables = per_target[key]
     if full_vocab and tables.vocab is not None and tables.prenorm is None:  # (an LM head of its own: no other)

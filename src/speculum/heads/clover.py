@@ -119,8 +119,8 @@ class CloverHeads(nn.Module):
             outs.append(head(state))
         return torch.stack(outs, dim=-2)
 
-    def freeze(self) -> CloverHeads:
-        """Ready for drafting."""
+    def freeze(self, quantized: bool = False) -> CloverHeads:
+        """Ready for drafting (its products stay float: ``quantized`` is accepted and ignored)."""
         return self.eval().requires_grad_(False)
 
 

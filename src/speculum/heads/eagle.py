@@ -112,9 +112,10 @@ class AttentionHead(nn.Module):
         return ang.cos().to(dtype), ang.sin().to(dtype)
 
     @staticmethod
-    def fast(*weights: torch.Tensor, bias: torch.Tensor | None = None):
-        """A drafting-time product with ``weights`` stacked (:func:`~speculum.runners.packed.fast_linear`)."""
-        return fast_linear(torch.cat([w.detach() for w in weights]), bias)
+    def fast(*weights: torch.Tensor, bias: torch.Tensor | None = None, quantized: bool = False):
+        """A drafting-time product with ``weights`` stacked (:func:`~speculum.runners.packed.fast_linear`;
+        ``quantized``: on Q8_0 copies)."""
+        return fast_linear(torch.cat([w.detach() for w in weights]), bias, quantized)
 
 
 class EagleHead(AttentionHead):
@@ -212,20 +213,24 @@ class EagleHead(AttentionHead):
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self._finish(h, attn)
 
-    def freeze(self) -> EagleHead:
+    def freeze(self, quantized: bool = False) -> EagleHead:
         """Ready for drafting: q/k/v and gate/up fused into one product each, prepacked for oneDNN
-        on a CPU where that applies (:func:`~speculum.runners.packed.packed_linear`).
-        Call again after the weights change."""
+        on a CPU where that applies (:func:`~speculum.runners.packed.packed_linear`), or with
+        ``quantized`` on Q8_0 copies through the quantized-weight kernels. Call again after the
+        weights change."""
+        def fast(*weights, bias=None):
+            return self.fast(*weights, bias=bias, quantized=quantized)
+
         self._fast = {
-            "qkv": self.fast(self.q.weight, self.k.weight, self.v.weight),
-            "o": self.fast(self.o.weight),
-            "gate_up": self.fast(self.gate.weight, self.up.weight),
-            "down": self.fast(self.down.weight),
+            "qkv": fast(self.q.weight, self.k.weight, self.v.weight),
+            "o": fast(self.o.weight),
+            "gate_up": fast(self.gate.weight, self.up.weight),
+            "down": fast(self.down.weight),
         }
         if hasattr(self, "fc"):
-            self._fast["fc"] = self.fast(self.fc.weight, bias=self.fc.bias)
+            self._fast["fc"] = fast(self.fc.weight, bias=self.fc.bias)
         if self.config.fuse_layers:
-            self._fast["fuse"] = self.fast(self.fuse.weight)
+            self._fast["fuse"] = fast(self.fuse.weight)
         return self
 
     def drafting_features(self, states: torch.Tensor) -> torch.Tensor:

@@ -60,10 +60,11 @@ class HydraHeads(nn.Module):
             outs.append(head(torch.cat((feats, embeds[..., :k, :].flatten(-2)), dim=-1)))
         return torch.stack(outs, dim=-2)
 
-    def freeze(self) -> HydraHeads:
-        """Ready for drafting (prepacked products where that applies)."""
-        self._fast = [(fast_linear(h.proj.weight, h.proj.bias), [fast_linear(b.linear.weight, b.linear.bias)
-                                                                  for b in h.blocks]) for h in self.heads]
+    def freeze(self, quantized: bool = False) -> HydraHeads:
+        """Ready for drafting (prepacked products where that applies; ``quantized``: on Q8_0 copies
+        through the quantized-weight kernels)."""
+        self._fast = [(fast_linear(h.proj.weight, h.proj.bias, quantized),
+                       [fast_linear(b.linear.weight, b.linear.bias, quantized) for b in h.blocks]) for h in self.heads]
         return self
 
     def draft(self, k: int, feat: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:

@@ -68,9 +68,11 @@ class KangarooAdapter(AttentionHead):
                                               enable_gqa=True)
         return self.out_norm(states + self.o(attn.transpose(-2, -3).flatten(-2)))
 
-    def freeze(self) -> KangarooAdapter:
-        """Ready for drafting: q/k/v fused into one product (prepacked where that applies)."""
-        self._fast = {"qkv": self.fast(self.q.weight, self.k.weight, self.v.weight), "o": self.fast(self.o.weight)}
+    def freeze(self, quantized: bool = False) -> KangarooAdapter:
+        """Ready for drafting: q/k/v fused into one product (prepacked where that applies; ``quantized``:
+        on Q8_0 copies through the quantized-weight kernels)."""
+        self._fast = {"qkv": self.fast(self.q.weight, self.k.weight, self.v.weight, quantized=quantized),
+                      "o": self.fast(self.o.weight, quantized=quantized)}
         return self
 
     def step(self, states: torch.Tensor, positions: torch.Tensor, cache: HeadCache, visible: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,9 @@ class LearnedKind:
     """One learned drafting method (see the module docstring)."""
 
     config: type  # the head's config dataclass
-    module: type  # its torch module: ``module(config)``, with ``freeze()`` for drafting
+    # its torch module: ``module(config)``, with ``freeze()`` for drafting (``freeze(quantized=True)``
+    # where it takes that and the target's weights are quantized: its products on Q8_0 copies)
+    module: type
     drafter: str | type  # its Drafter class, or "module:Class"
     summary: str  # one line for ``--help`` and the method table
     trainer: str | type | None = None  # its trainer (a HeadTrainer), or None where it cannot be trained yet

@@ -73,11 +73,14 @@ class MedusaHeads(nn.Module):
         token ``k + 1`` places after the feature's token."""
         return torch.stack([head(feats) for head in self.heads], dim=-2)
 
-    def freeze(self) -> MedusaHeads:
-        """Ready for drafting: the first block of every head in one product (their inputs are equal)."""
+    def freeze(self, quantized: bool = False) -> MedusaHeads:
+        """Ready for drafting: the first block of every head in one product (their inputs are equal);
+        ``quantized``: the products on Q8_0 copies through the quantized-weight kernels."""
         first = [head[0].linear for head in self.heads]
-        self._first = fast_linear(torch.cat([lin.weight for lin in first]), torch.cat([lin.bias for lin in first]))
-        self._rest = [[fast_linear(block.linear.weight, block.linear.bias) for block in head[1:]] for head in self.heads]
+        self._first = fast_linear(torch.cat([lin.weight for lin in first]), torch.cat([lin.bias for lin in first]),
+                                  quantized)
+        self._rest = [[fast_linear(block.linear.weight, block.linear.bias, quantized) for block in head[1:]]
+                      for head in self.heads]
         return self
 
     def draft(self, feat: torch.Tensor) -> torch.Tensor:

@@ -63,5 +63,6 @@ class PPDPrompts(nn.Module):
         e = self.config.ensemble
         return logits.view(-1, e, logits.shape[-1]).mean(1) if e > 1 else logits
 
-    def freeze(self) -> PPDPrompts:
+    def freeze(self, quantized: bool = False) -> PPDPrompts:
+        """Ready for drafting (embeddings only: nothing to quantize)."""
         return self

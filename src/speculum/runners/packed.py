@@ -51,10 +51,20 @@ def packs(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
     return dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def fast_linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+def fast_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantized: bool = False):
     """``x [..., in] -> [..., out]`` for drafting-time heads: :func:`packed_linear` where it applies,
-    else ``F.linear`` on (detached copies of) these weights."""
+    else ``F.linear`` on (detached copies of) these weights. ``quantized``: the weights rounded to
+    Q8_0 (8 bits and a scale per 32 inputs) and multiplied by speculum's quantized-weight kernels,
+    where they build and ``in`` is a multiple of 32 (a quarter of float32's bytes per product: what
+    a head drafting for a GGUF model reads; drafts only, so the output stays the target's)."""
     weight = weight.detach().contiguous()
     bias = None if bias is None else bias.detach()
+    if quantized and weight.device.type == "cpu" and weight.shape[1] % 32 == 0:
+        from ..weights import QuantizedLinear
+        from ..weights.build import kernels
+        from ..weights.formats import quantize
+
+        if kernels() is not None:
+            return QuantizedLinear(quantize(weight.float(), "Q8_0"), None if bias is None else bias.float())
     packed = packed_linear(weight, bias)
     return packed if packed is not None else (lambda x: torch.nn.functional.linear(x, weight, bias))
