@@ -5,6 +5,8 @@
 - ``quant_logits`` and ``quant_value_sums``: its two halves over the store alone (the logits from the
   key codes; given probabilities, the value sums from the value codes), for a store that corrects its
   codes in between (:class:`~speculum.cache.gear.GearKVCache`);
+- ``zip_attend``: over ZipCache's mixed-precision store (:class:`~speculum.cache.mixed.MixedKVCache`), each
+  chunk's two precisions read from their codes where they are stored (``zip_kernels.h``), and the window;
 - ``slot_attend``: over chosen slots of a float cache (:meth:`~speculum.cache.PositionedKVCache.attend_slots`),
   one index list per KV head, and the step's new entries, without gathering a copy.
 
@@ -26,7 +28,7 @@ from ..extensions import KernelsUnavailable, build_extension
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("kv_kernels.cpp"),)
+SOURCES = (Path(__file__).with_name("kv_kernels.cpp"), Path(__file__).with_name("zip_kernels.h"))
 
 
 @functools.cache
