@@ -7,8 +7,9 @@ machine runs (AVX-512, AVX2, portable):
 - ``slot_attend`` (chosen slots read in place) equals attention over the gathered copy, ``slot_scores``
   the logits over it;
 - each row's result does not depend on the other rows of the call;
-- GEAR's read through the codes (``quant_logits``, ``quant_value_sums`` and its corrections) equals
-  attention over its decoded store;
+- GEAR's read (``gear_attend``: the codes and its corrections in one pass) equals attention over its
+  decoded store; ZipCache's (``zip_attend``: each chunk's parts read from their codes) over its decoded
+  store, in slot order;
 - the caches use them: ``QuantKVCache.attend`` and ``PositionedKVCache.attend_slots`` give the torch
   path's results, and TidalDecode and Quest no longer hold gathered copies.
 """
@@ -265,19 +266,20 @@ def _generate(model, prompt, spec, budget, new=24):
 
 
 @pytest.mark.parametrize("spec,budget", [("kv_quant", "-"), ("kv_quant:bits=2", "-"), ("tidal:layers=2+4", "12"),
-                                         ("quest:page=4", "12")])
+                                         ("quest:page=4", "12"), ("gear", "-"), ("zipcache", "-")])
 def test_policies_decode_alike_with_and_without_the_kernels(monkeypatch, spec, budget):
     """A tiny Llama (float32) decodes the same tokens whether the policy's reads run on the kernels or
     on the torch path (dequantized layers, gathered copies); TidalDecode keeps slot indices, not copies."""
     from conftest import tiny_llama
 
-    from speculum.cache import positioned, quantized
+    from speculum.cache import gear, mixed, positioned, quantized
 
     model = tiny_llama(layers=6)
     prompt = [int(x) for x in torch.randint(0, 96, (80,), generator=torch.Generator().manual_seed(5))]
     fast = _generate(model, prompt, spec, budget)
     monkeypatch.setattr(quantized, "kernels_for", lambda *a: None)
-    monkeypatch.setattr(positioned, "kernels_for", lambda *a: None)
+    for module in (positioned, gear, mixed):
+        monkeypatch.setattr(module, "kernels_for", lambda *a: None)
     slow = _generate(model, prompt, spec, budget)
     assert fast.tokens == slow.tokens
 
@@ -299,8 +301,8 @@ def test_a_killed_builds_baton_does_not_hang_the_next_load():
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_gear_read_through_the_codes_equals_decoded_attention(bits):
-    """GEAR's read (the codes through ``quant_logits`` / ``quant_value_sums``, the low-rank terms factored,
-    the outliers' corrections) equals attention over the decoded store (its torch path): a prompt chunk
+    """GEAR's read (``gear_attend``: the codes, the low-rank terms factored and the outliers' corrections in
+    one pass) equals attention over the decoded store (its torch path): a prompt chunk
     and two one-group chunks, reads from a start inside the prompt chunk, a mask, soft-capping."""
     from speculum.cache.gear import GearKVCache
     from speculum.cache.kernels import kv_kernels
@@ -368,11 +370,12 @@ def _mixed_cache(layout, dtype, ratio=0.4, chunks=(77, 32, 32), resid=9, seed=0)
 
 def _mixed_reference(cache, layer, q, start, keys, values, visible):
     """Attention in float32 over the store decoded (slots ``start .. tq-1``) and the float rows."""
-    first = next(c.start for c in cache.chunks if c.end > start)
-    parts = [cache.decode(c, layer) for c in cache.chunks if c.end > start]
-    dk = torch.cat([p[0] for p in parts], dim=1)[:, start - first:]
-    dv = torch.cat([p[1] for p in parts], dim=1)[:, start - first:]
-    k, v = torch.cat([dk, keys.float()], dim=1), torch.cat([dv, values.float()], dim=1)
+    k, v = keys.float(), values.float()
+    if start < cache.tq:
+        first = next(c.start for c in cache.chunks if c.end > start)
+        parts = [cache.decode(c, layer) for c in cache.chunks if c.end > start]
+        k = torch.cat([torch.cat([p[0] for p in parts], dim=1)[:, start - first:], k], dim=1)
+        v = torch.cat([torch.cat([p[1] for p in parts], dim=1)[:, start - first:], v], dim=1)
     s = cache.layout
     mask = None if visible is None else grouped(visible, s.group, torch.float32)
     return attention(q.float(), k, v, mask, s.scale, s.softcap)
@@ -432,5 +435,6 @@ def test_zip_attend_equals_decoded_attention(arch, dtype):
         got = cache.read(1, q, 32, cache.resid[1, 0, :, :m], cache.resid[1, 1, :, :m], None)
         want = _mixed_reference(cache, 1, q, 32, cache.resid[1, 0, :, :m], cache.resid[1, 1, :, :m], None)
         torch.testing.assert_close(got.float(), want, **tol)
+    tensors, meta = cache.part_operands(0)
     with pytest.raises(RuntimeError, match="8 tensors"):
         ops.zip_attend(q, tensors[:-1], meta, 0, 0, cache.tq, keys, values, mask3(None), layout.scale, 0.0)
