@@ -14,7 +14,7 @@ its resident memory at the start of a configuration's decoding (``VmHWM`` reset 
 layers, scores).
 
     PYTHONPATH=src python benchmarks/kv_kernels.py --length 8192 --new 24 --rounds 3 \\
-        --policies full,kv_quant,kv_quant:bits=2,gear,tidal,quest [--weights float --dtype bfloat16]
+        --policies full,kv_quant,kv_quant:bits=2,gear,zipcache,tidal,quest [--weights float --dtype bfloat16]
 """
 
 from __future__ import annotations
