@@ -1,8 +1,8 @@
 """Decode speed and memory of the KV policies whose reads the KV kernels serve (``kv_quant``, ``gear``,
-``tidal``, ``quest``) against the full cache, at one long context (any policy whose prefill needs no
-prompt queries can be given: not ``zipcache``).
+``tidal``, ``quest``, ``zipcache``) against the full cache, at one long context.
 
-One layer-by-layer prefill of a RULER-style prompt gives every layer's keys and values; each policy's
+One layer-by-layer prefill of a RULER-style prompt gives every layer's keys and values (and, for a policy
+whose prefill reads prompt queries, ZipCache's, the queries of the rows it asks for); each policy's
 cache is filled from them (as its own prefill would fill it), so that the run costs one prefill
 however many policies it compares. Then, round after round, each configuration decodes ``--new``
 greedy tokens in turn (alternating, after a warm-up round), so that they see the machine in the
@@ -14,7 +14,7 @@ its resident memory at the start of a configuration's decoding (``VmHWM`` reset 
 layers, scores).
 
     PYTHONPATH=src python benchmarks/kv_kernels.py --length 8192 --new 24 --rounds 3 \\
-        --policies full,kv_quant,kv_quant:bits=2,gear,tidal,quest [--weights float --dtype bfloat16]
+        --policies full,kv_quant,kv_quant:bits=2,gear,zipcache,tidal,quest [--weights float --dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -53,17 +53,36 @@ def prompt_ids(tokenizer, length: int) -> list[int]:
     return encode_task(tokenizer, make_task("niah_single", length, 0, count))[0]
 
 
-def layer_kvs(runner, ids: list[int]) -> tuple[list[torch.Tensor], int]:
-    """Every layer's prompt keys and values ``[2, H_kv, n, d]`` and the first generated token."""
+def query_rows(specs: list[str], budget: str, n: int) -> torch.Tensor | None:
+    """The prompt rows ``[w]`` whose queries the policies' prefills read (one policy's rows: ZipCache's), or
+    None where none reads queries."""
+    from speculum.kv import make_policy
+
+    rows = [p.query_rows(n) for p in (make_policy(s, budget) for s in specs)
+            if p is not None and p.prefill_scores == "queries"]
+    if any(not torch.equal(r, rows[0]) for r in rows):
+        raise SystemExit("the policies read the queries of different prompt rows: compare them in separate runs")
+    return rows[0] if rows else None
+
+
+def layer_kvs(runner, ids: list[int], rows: torch.Tensor | None) -> tuple[list[torch.Tensor], list, int]:
+    """Every layer's prompt keys and values ``[2, H_kv, n, d]``, its queries ``[w, H, d]`` of prompt rows
+    ``rows`` (None without rows) and the first generated token."""
     from speculum.runners.layerwise import prefill_layerwise
 
     kvs: list[torch.Tensor] = []
-    logits = prefill_layerwise(runner.decoder, ids, runner.prefill_chunk, None, 32,
-                               lambda i, sliding, kv, scores: kvs.append(kv.clone()))
-    return kvs, int(logits[-1].argmax())
+    queries: list = []
+
+    def store(i, sliding, kv, scores):
+        kvs.append(kv.clone())
+        queries.append(None if rows is None else scores.clone())
+
+    logits = prefill_layerwise(runner.decoder, ids, runner.prefill_chunk, None if rows is None else "queries",
+                               32 if rows is None else rows, store)
+    return kvs, queries, int(logits[-1].argmax())
 
 
-def filled_cache(runner, spec: str, budget: str, kvs: list[torch.Tensor], capacity: int):
+def filled_cache(runner, spec: str, budget: str, kvs: list[torch.Tensor], queries: list, capacity: int):
     """(runner, cache) for ``spec``, the cache holding the prompt as that policy's prefill leaves it."""
     from speculum.kv import make_policy
     from speculum.runners import under_policy
@@ -82,7 +101,7 @@ def filled_cache(runner, spec: str, budget: str, kvs: list[torch.Tensor], capaci
     policy.begin_prefill(cache, n)
     layout = runner.layout
     for i, kv in enumerate(kvs):
-        policy.store_prefill(cache, i, layout.is_sliding(i), kv, None)
+        policy.store_prefill(cache, i, layout.is_sliding(i), kv, queries[i])
     policy.end_prefill(cache, n)
     return r, cache
 
@@ -113,21 +132,23 @@ def main() -> None:
     model, tok = speculum.load("default", dtype=args.dtype, weights=args.weights)
     runner = runner_for(model, "native")
     ids = prompt_ids(tok, args.length)
+    specs = [s.strip() for s in args.policies.split(",") if s.strip()]
+    rows = query_rows(specs, args.budget, len(ids))
     t = time.perf_counter()
-    if args.prompt_kv and os.path.exists(args.prompt_kv):
-        saved = torch.load(args.prompt_kv)
+    saved = torch.load(args.prompt_kv) if args.prompt_kv and os.path.exists(args.prompt_kv) else None
+    if saved is not None and (rows is None or torch.equal(saved.get("rows", torch.empty(0)), rows)):
         kvs, first = [kv.to(runner.dtype) for kv in saved["kvs"]], saved["first"]
+        queries = [None if q is None or rows is None else q.to(runner.dtype) for q in saved.get("queries", [None] * len(kvs))]
         assert saved["ids"] == ids, "the saved prompt is another prompt"
     else:
-        kvs, first = layer_kvs(runner, ids)
+        kvs, queries, first = layer_kvs(runner, ids, rows)
         if args.prompt_kv:
-            torch.save({"kvs": kvs, "first": first, "ids": ids}, args.prompt_kv)
+            torch.save({"kvs": kvs, "queries": queries, "rows": rows, "first": first, "ids": ids}, args.prompt_kv)
     print(f"{len(ids)} prompt tokens, prefill {time.perf_counter() - t:.1f} s, dtype {runner.dtype}, "
           f"weights {model.speculum_weights}, threads {torch.get_num_threads()}", flush=True)
-    specs = [s.strip() for s in args.policies.split(",") if s.strip()]
     capacity = len(ids) + (args.rounds + 1) * args.new + 64
-    runs = {spec: filled_cache(runner, spec, args.budget, kvs, capacity) for spec in specs}
-    del kvs
+    runs = {spec: filled_cache(runner, spec, args.budget, kvs, queries, capacity) for spec in specs}
+    del kvs, queries
     gc.collect()
     records = []
     last = {spec: first for spec in specs}

@@ -7,8 +7,9 @@ machine runs (AVX-512, AVX2, portable):
 - ``slot_attend`` (chosen slots read in place) equals attention over the gathered copy, ``slot_scores``
   the logits over it;
 - each row's result does not depend on the other rows of the call;
-- GEAR's read through the codes (``quant_logits``, ``quant_value_sums`` and its corrections) equals
-  attention over its decoded store;
+- GEAR's read (``gear_attend``: the codes and its corrections in one pass) equals attention over its
+  decoded store; ZipCache's (``zip_attend``: each chunk's parts read from their codes) over its decoded
+  store, in slot order;
 - the caches use them: ``QuantKVCache.attend`` and ``PositionedKVCache.attend_slots`` give the torch
   path's results, and TidalDecode and Quest no longer hold gathered copies.
 """
@@ -265,19 +266,20 @@ def _generate(model, prompt, spec, budget, new=24):
 
 
 @pytest.mark.parametrize("spec,budget", [("kv_quant", "-"), ("kv_quant:bits=2", "-"), ("tidal:layers=2+4", "12"),
-                                         ("quest:page=4", "12")])
+                                         ("quest:page=4", "12"), ("gear", "-"), ("zipcache", "-")])
 def test_policies_decode_alike_with_and_without_the_kernels(monkeypatch, spec, budget):
     """A tiny Llama (float32) decodes the same tokens whether the policy's reads run on the kernels or
     on the torch path (dequantized layers, gathered copies); TidalDecode keeps slot indices, not copies."""
     from conftest import tiny_llama
 
-    from speculum.cache import positioned, quantized
+    from speculum.cache import gear, mixed, positioned, quantized
 
     model = tiny_llama(layers=6)
     prompt = [int(x) for x in torch.randint(0, 96, (80,), generator=torch.Generator().manual_seed(5))]
     fast = _generate(model, prompt, spec, budget)
     monkeypatch.setattr(quantized, "kernels_for", lambda *a: None)
-    monkeypatch.setattr(positioned, "kernels_for", lambda *a: None)
+    for module in (positioned, gear, mixed):
+        monkeypatch.setattr(module, "kernels_for", lambda *a: None)
     slow = _generate(model, prompt, spec, budget)
     assert fast.tokens == slow.tokens
 
@@ -299,8 +301,8 @@ def test_a_killed_builds_baton_does_not_hang_the_next_load():
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_gear_read_through_the_codes_equals_decoded_attention(bits):
-    """GEAR's read (the codes through ``quant_logits`` / ``quant_value_sums``, the low-rank terms factored,
-    the outliers' corrections) equals attention over the decoded store (its torch path): a prompt chunk
+    """GEAR's read (``gear_attend``: the codes, the low-rank terms factored and the outliers' corrections in
+    one pass) equals attention over the decoded store (its torch path): a prompt chunk
     and two one-group chunks, reads from a start inside the prompt chunk, a mask, soft-capping."""
     from speculum.cache.gear import GearKVCache
     from speculum.cache.kernels import kv_kernels
@@ -340,3 +342,99 @@ def test_gear_read_through_the_codes_equals_decoded_attention(bits):
                         one = cache.read(layer, q[i:i + 1], start, keys, values,
                                          None if visible is None else visible[i:i + 1])
                         assert torch.equal(one, got[i:i + 1])
+
+
+def _mixed_cache(layout, dtype, ratio=0.4, chunks=(77, 32, 32), resid=9, seed=0):
+    """A ZipCache store of ``chunks`` (the prompt's ragged one, then groups; both layers, random saliency)
+    and ``resid`` entries in the window."""
+    from speculum.cache.mixed import MixedKVCache
+
+    torch.manual_seed(seed)
+    s, t = layout, sum(chunks)
+    cache = MixedKVCache(s, dtype, "cpu", t + resid + 64, 32, 32, 4, 2, ratio)
+    keys = torch.randn(s.layers, s.kv_heads, t + resid, s.head_dim) * (1 + 4 * torch.rand(s.head_dim))
+    values = torch.randn(s.layers, s.kv_heads, t + resid, s.head_dim)
+    at = 0
+    for size in chunks:
+        for layer in range(s.layers):
+            cache.store_chunk(layer, keys[layer, :, at:at + size], values[layer, :, at:at + size],
+                              torch.rand(s.kv_heads, size), at=at)
+        at += size
+    cache.tq = t
+    cache.reserve(t + resid + 64)
+    cache.resid[:, 0, :, :resid] = keys[:, :, t:].to(dtype)
+    cache.resid[:, 1, :, :resid] = values[:, :, t:].to(dtype)
+    cache.length = t + resid
+    return cache
+
+
+def _mixed_reference(cache, layer, q, start, keys, values, visible):
+    """Attention in float32 over the store decoded (slots ``start .. tq-1``) and the float rows."""
+    k, v = keys.float(), values.float()
+    if start < cache.tq:
+        first = next(c.start for c in cache.chunks if c.end > start)
+        parts = [cache.decode(c, layer) for c in cache.chunks if c.end > start]
+        k = torch.cat([torch.cat([p[0] for p in parts], dim=1)[:, start - first:], k], dim=1)
+        v = torch.cat([torch.cat([p[1] for p in parts], dim=1)[:, start - first:], v], dim=1)
+    s = cache.layout
+    mask = None if visible is None else grouped(visible, s.group, torch.float32)
+    return attention(q.float(), k, v, mask, s.scale, s.softcap)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zip_attend_equals_decoded_attention(arch, dtype):
+    """``zip_attend`` (ZipCache's parts read from their codes, in part order) equals attention over the store
+    decoded into slot order: head dims 64 and 16 (whole and repeated code chunks), a ragged prompt chunk
+    and two groups, ratios 0.4, 0 and 1 (a chunk without one of its parts), starts before, inside and past
+    the chunks, a tree mask that hides store slots, soft-capping, 1 and 5 rows; each row as computed alone.
+    A broken read (a part left out, the salient flags read inverted) is told apart."""
+    ops = load_kv_kernels(None if arch == "native" else arch)
+    tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else _tol(dtype)
+    for d, ratio, softcap in ((64, 0.4, None), (16, 0.4, 30.0), (64, 0.0, None), (16, 1.0, None)):
+        layout = _layout(H=6, Hkv=2, d=d, softcap=softcap)
+        cache = _mixed_cache(layout, dtype, ratio)
+        assert cache.kernel_reads(ops)
+        m = cache.r
+        for n in (1, 5):
+            q = torch.randn(n, 6, d).to(dtype)
+            keys = torch.cat([cache.resid[0, 0, :, :m], torch.randn(2, n, d).to(dtype)], dim=1)
+            values = torch.cat([cache.resid[0, 1, :, :m], torch.randn(2, n, d).to(dtype)], dim=1)
+            for start in (0, 32, 96, 141):
+                L = cache.tq - start + m + n
+                hidden = torch.rand(n, L) < 0.3
+                hidden[:, -1] = False
+                for visible in (None, ~hidden):
+                    want = _mixed_reference(cache, 0, q, start, keys, values, visible)
+                    tensors, meta = cache.part_operands(start)
+
+                    def call(t, mt, vis=visible, st=start, q=q, keys=keys, values=values, cache=cache):
+                        s = cache.layout
+                        return ops.zip_attend(q, t, mt, 0, st, cache.tq, keys, values, mask3(vis), s.scale,
+                                              s.softcap or 0.0)
+                    got = call(tensors, meta).float()
+                    msg = f"d {d} ratio {ratio} n {n} start {start} mask {visible is not None}"
+                    torch.testing.assert_close(got, want, **tol, msg=msg)
+                    for i in range(n):
+                        one = ops.zip_attend(q[i:i + 1], tensors, meta, 0, start, cache.tq, keys, values,
+                                             mask3(None if visible is None else visible[i:i + 1]), layout.scale,
+                                             softcap or 0.0)
+                        assert torch.equal(one.float(), got[i:i + 1]), msg
+                    if start == 32 and ratio == 0.4:  # the comparison catches a broken read: a part left
+                        # out, the key minima and steps swapped, the mask not applied to the store's slots
+                        swapped = [tensors[j ^ 3] if j % 8 in (1, 2) else x for j, x in enumerate(tensors)]
+                        broken = [call(tensors[8:], meta[3:]), call(swapped, meta)]
+                        if visible is not None:
+                            broken.append(ops.zip_attend(q, tensors, meta, 0, start, cache.tq, keys, values,
+                                                         mask3(visible[:, cache.tq - start:]), layout.scale,
+                                                         softcap or 0.0))
+                        for bad in broken:
+                            assert not torch.allclose(bad.float(), want, **tol), msg
+        # the cache's read (the step's path) is the kernel's
+        q = torch.randn(2, 6, d).to(dtype)
+        got = cache.read(1, q, 32, cache.resid[1, 0, :, :m], cache.resid[1, 1, :, :m], None)
+        want = _mixed_reference(cache, 1, q, 32, cache.resid[1, 0, :, :m], cache.resid[1, 1, :, :m], None)
+        torch.testing.assert_close(got.float(), want, **tol)
+    tensors, meta = cache.part_operands(0)
+    with pytest.raises(RuntimeError, match="8 tensors"):
+        ops.zip_attend(q, tensors[:-1], meta, 0, 0, cache.tq, keys, values, mask3(None), layout.scale, 0.0)

@@ -61,7 +61,8 @@ def source_key(sources: Sequence[Path], arch: str) -> str:
 def build_extension(name: str, sources: Sequence[Path], arch: str | None = None, switch: str | None = None):
     """Build (or load the cached build of) the extension ``name`` from ``sources`` for ``-march=arch``
     (default :func:`target_arch`); raises :class:`KernelsUnavailable`. ``switch``: an environment
-    variable that turns it off when ``0``."""
+    variable that turns it off when ``0``. Headers (``.h``) among ``sources`` key the build and are
+    not compiled on their own."""
     arch = arch or target_arch()
     if switch and os.environ.get(switch, "1") == "0":
         raise KernelsUnavailable(f"{switch}=0")
@@ -79,7 +80,7 @@ def build_extension(name: str, sources: Sequence[Path], arch: str | None = None,
         # there (``lock``) is a killed build's: left in place, it would make this load wait forever
         (where / "lock").unlink(missing_ok=True)
         try:
-            return load(name=f"{name}_{key}", sources=[str(p) for p in sources], build_directory=str(where),
+            return load(name=f"{name}_{key}", sources=[str(p) for p in sources if p.suffix != ".h"], build_directory=str(where),
                         extra_cflags=["-O3", f"-march={arch}", "-fno-math-errno", "-fopenmp"],
                         extra_ldflags=["-fopenmp"], verbose=False)
         except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:  # a compiler error, no ninja

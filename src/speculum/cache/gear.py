@@ -22,15 +22,18 @@ is dequantized. With ``q`` scaled and ``Δ`` an outlier's exact value minus ``D 
 
     q . k_t = q . D_t  +  (q B^T) . A_t  +  sum over key outliers at t of q_c Δ_tc
 
-(``quant_logits`` reads the codes; the low-rank term costs ``r`` per token and ``r d`` per chunk), the
-softmax runs over them and the window's logits together, and the value sums are
+(the low-rank term costs ``r`` per token and ``r d`` per chunk), the softmax runs over them and the
+window's logits together, and the value sums are
 
     sum_t p_t v_t = sum_t p_t D_t  +  sum over chunks (sum_t p_t A_t) B  +  sum over value outliers p_t Δ_tc
 
-(``quant_value_sums`` reads the codes). This equals attention over the decoded store up to float
-rounding. The factors, outliers and their corrections are stored in per-layer tensors over every chunk
-(the chunk's fields are views of them), so a read is a fixed number of operations however many chunks
-there are. Elsewhere the store is decoded and attended in torch.
+All of it runs in one pass of the kernels' online softmax (``gear_attend``: each piece of the codes'
+scores gains its tokens' low-rank term and outliers before the softmax, its value sums after), as
+KIVI's read does. This equals attention over the decoded store up to float rounding. The factors,
+outliers and their corrections are stored in per-layer tensors over every chunk (the chunk's fields are
+views of them), each chunk's outliers in increasing index order (a piece finds its own by bisection),
+so a read is one call however many chunks there are. Elsewhere the store is decoded and attended in
+torch.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import AttentionLayout, grouped
+from ..attention import AttentionLayout
 from .kernels import kernels_for, mask3
 from .quantized import _NONE, QuantKVCache
 from .window import WindowKVCache
@@ -76,36 +79,9 @@ def outlier_mask(x: torch.Tensor, k: int, group: int, along_tokens: bool) -> tup
     else:
         g = x.unflatten(-1, (d // group, group))
         dev = (g - g.mean(-1, keepdim=True)).abs().flatten(-2)
-    idx = dev.flatten(-2).topk(k, dim=-1).indices
+    idx = dev.flatten(-2).topk(k, dim=-1).indices.sort(dim=-1).values  # increasing: the kernels bisect them
     mask = torch.zeros(x.shape[:-2] + (t * d,), dtype=torch.bool, device=x.device).scatter_(-1, idx, True)
     return idx, mask.view(x.shape)
-
-
-def _low_rank_logits(qf: torch.Tensor, a: torch.Tensor, b: torch.Tensor, which: torch.Tensor,
-                     group: int) -> torch.Tensor:
-    """``q . (A B)_t`` in factored form: folded queries ``qf [H_kv, R, d]``, left factors by slot
-    ``a [H_kv, r, T]`` (transposed), the chunks' right factors ``b [H_kv, C, r, d]``, each group's chunk
-    ``which [T / group]`` -> ``[H_kv, R, T]`` (each row on its own: products of one row, elementwise sums)."""
-    hkv, rows, _ = qf.shape
-    qb = (qf[:, :, None, None, :] @ b.float()[:, None].transpose(-1, -2)).squeeze(-2)  # [H_kv, R, C, r]
-    qg = qb.index_select(2, which)[..., None]  # [H_kv, R, T/G, r, 1]
-    at = a.float().unflatten(2, (-1, group))[:, None]  # [H_kv, 1, r, T/G, G]
-    out = qg[:, :, :, 0] * at[:, :, 0]
-    for k in range(1, at.shape[2]):
-        out += qg[:, :, :, k] * at[:, :, k]
-    return out.view(hkv, rows, -1)
-
-
-def _low_rank_sums(p: torch.Tensor, a: torch.Tensor, b: torch.Tensor, which: torch.Tensor,
-                   group: int) -> torch.Tensor:
-    """``sum_t p_t (A B)_t`` in factored form: probabilities ``p [H_kv, R, T]``, factors and chunks as
-    :func:`_low_rank_logits`'s -> ``[H_kv, R, d]``."""
-    hkv, rows, _ = p.shape
-    chunks, r = b.shape[1], b.shape[2]
-    af = a.float()
-    pa = torch.stack([(p * af[:, None, k]).unflatten(2, (-1, group)).sum(-1) for k in range(r)], -1)  # [H_kv, R, T/G, r]
-    per_chunk = pa.new_zeros((hkv, rows, chunks, r)).index_add_(2, which, pa)
-    return (per_chunk.reshape(hkv, rows, 1, chunks * r) @ b.float().reshape(hkv, 1, chunks * r, -1)).squeeze(2)
 
 
 class GearKVCache(QuantKVCache):
@@ -225,8 +201,9 @@ class GearKVCache(QuantKVCache):
     def read(self, layer: int, q: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor,
              visible: torch.Tensor | None) -> torch.Tensor:
         """:meth:`WindowKVCache.read <speculum.cache.window.WindowKVCache.read>` on the codes as stored, the
-        low-rank terms in factored form and the outliers' corrections (the module's docstring), where the
-        kernels are built and read the codes' layout; else decoded and attended in torch."""
+        low-rank terms in factored form and the outliers' corrections in the same pass (``gear_attend``; the
+        module's docstring), where the kernels are built and read the codes' layout; else decoded and
+        attended in torch."""
         s = self.layout
         ops = kernels_for(q, s.head_dim)
         if ops is None or not self.kernel_reads(ops):
@@ -235,39 +212,10 @@ class GearKVCache(QuantKVCache):
         if start >= self.tq:
             return ops.quant_attend(q, *(_NONE,) * 6, self.bits, start, self.tq, keys, values,
                                     mask3(visible), s.scale, softcap)
-        n, heads, d = q.shape
-        hkv, T = s.kv_heads, self.tq - start
-        g = heads // hkv
-        rows = g * n
-        stores = self.code_operands(layer)
-        qf = (q.float() * s.scale).view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, rows, d)  # row j n + i
-        logits = ops.quant_logits(q, *stores, self.bits, start, self.tq, s.scale)  # [H_kv, R, T]
-        lowrank = self._low_rank(layer, start)
-        if lowrank is not None:
-            logits += _low_rank_logits(qf, *lowrank[0])
-        outl = self._outliers(layer, start, T)
-        if outl is not None:  # rows last, so that each outlier moves R contiguous numbers
-            col, chan, delta = outl  # [2, H_kv * K] each: column (h T + slot - start), channel (h d + c), correction
-            qc = qf.transpose(1, 2).reshape(hkv * d, rows).index_select(0, chan[0])  # [H_kv K, R]
-            add = torch.zeros(hkv * T, rows).index_add_(0, col[0], qc * delta[0, :, None])
-            logits += add.view(hkv, T, rows).transpose(1, 2)
-        window = (qf[:, :, None, :] * keys.float()[:, None]).sum(-1)  # [H_kv, R, m] (a product per row)
-        z = torch.cat([logits, window], dim=-1)
-        if softcap:
-            z = torch.tanh(z / softcap) * softcap
-        if visible is not None:
-            z = z + grouped(visible, g, torch.float32)
-        p = torch.softmax(z, dim=-1).nan_to_num_(0.0)  # a row that sees nothing reads zeros
-        pq = p[..., :T].contiguous()
-        out = ops.quant_value_sums(pq, *stores, self.bits, start, self.tq)  # [H_kv, R, d]
-        out += (p[..., None, T:] @ values.float()[:, None]).squeeze(2)
-        if lowrank is not None:
-            out += _low_rank_sums(pq, *lowrank[1])
-        if outl is not None:
-            pc = pq.transpose(1, 2).reshape(hkv * T, rows).index_select(0, col[1])  # [H_kv K, R]
-            add = torch.zeros(hkv * d, rows).index_add_(0, chan[1], pc * delta[1, :, None])
-            out += add.view(hkv, d, rows).transpose(1, 2)
-        return out.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, heads * d).to(q.dtype)
+        c0, c1 = self._chunk_range(start)
+        return ops.gear_attend(q, *self.code_operands(layer), self.bits, start, self.tq, keys, values,
+                               mask3(visible), s.scale, softcap, self.fa[layer], self.fb[layer], self.chunk_of,
+                               c0, c1, self.oidx[layer], self.obase, self.odelta[layer], self.kstart[c1])
 
     def _chunk_range(self, start: int) -> tuple[int, int]:
         """The chunks holding slots ``start .. tq-1``: ``c0 .. c1-1``."""
@@ -275,38 +223,6 @@ class GearKVCache(QuantKVCache):
         c0 = bisect.bisect_right(starts, start) - 1
         c1 = bisect.bisect_left(starts, self.tq)
         return c0, c1
-
-    def _low_rank(self, layer: int, start: int):
-        """Per kind (keys, values): ``A [H_kv, r, T]`` (transposed), ``B [H_kv, chunks, r, d]`` of the chunks holding slots
-        ``start .. tq-1`` and each group's chunk ``[T / G]`` (from 0); None without factors."""
-        if self.fa.shape[-2] == 0:
-            return None
-        c0, c1 = self._chunk_range(start)
-        G = self.group
-        which = self.chunk_of[start // G:self.tq // G] - c0
-        return [(self.fa[layer, kind, :, :, start:self.tq], self.fb[layer, kind, :, c0:c1], which, G)
-                for kind in (0, 1)]
-
-    def _outliers(self, layer: int, start: int, span: int):
-        """The outliers of slots ``start .. start+span-1``, per kind (keys, values), as flat indices over
-        the KV heads: column ``h span + slot - start`` and channel ``h d + c``, and their corrections
-        (zero where a chunk's outlier lies before ``start``), each ``[2, H_kv K]``; None without outliers."""
-        c0, c1 = self._chunk_range(start)
-        k0, k1 = self.kstart[c0], self.kstart[c1]
-        if k1 == k0:
-            return None
-        d, hkv = self.layout.head_dim, self.layout.kv_heads
-        flat = self.oidx[layer, :, :, k0:k1] + self.obase[k0:k1]  # [2, H_kv, K] int32 slot * d + channel
-        if d & (d - 1) == 0:  # a power of two: a shift and a mask
-            slot, chan = (flat >> (d.bit_length() - 1)) - start, flat & (d - 1)
-        else:
-            slot, chan = flat // d - start, flat % d
-        delta = self.odelta[layer, :, :, k0:k1]
-        if start > self.chunks[c0].start:  # outliers of the first chunk before start: no correction
-            delta = delta.masked_fill(slot < 0, 0.0)
-            slot = slot.clamp(min=0)
-        head = torch.arange(hkv, dtype=torch.int32, device=flat.device)[:, None]
-        return ((slot + head * span).flatten(1).long(), (chan + head * d).flatten(1).long(), delta.flatten(1))
 
     @staticmethod
     def _write_outliers(x: torch.Tensor, c: GearChunk, layer: int, start: int) -> None:

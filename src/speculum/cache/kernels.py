@@ -2,9 +2,13 @@
 
 - ``quant_attend``: over KIVI's packed low-bit store (:class:`~speculum.cache.QuantKVCache`) and its
   full-precision residual window, scores and value sums computed from the codes;
+- ``gear_attend``: ``quant_attend`` over GEAR's store (:class:`~speculum.cache.gear.GearKVCache`), each
+  piece's scores and value sums corrected by its low-rank terms and outliers in the same pass
+  (``gear_kernels.h``);
 - ``quant_logits`` and ``quant_value_sums``: its two halves over the store alone (the logits from the
-  key codes; given probabilities, the value sums from the value codes), for a store that corrects its
-  codes in between (:class:`~speculum.cache.gear.GearKVCache`);
+  key codes; given probabilities, the value sums from the value codes);
+- ``zip_attend``: over ZipCache's mixed-precision store (:class:`~speculum.cache.mixed.MixedKVCache`), each
+  chunk's two precisions read from their codes where they are stored (``zip_kernels.h``), and the window;
 - ``slot_attend``: over chosen slots of a float cache (:meth:`~speculum.cache.PositionedKVCache.attend_slots`),
   one index list per KV head, and the step's new entries, without gathering a copy.
 
@@ -26,7 +30,7 @@ from ..extensions import KernelsUnavailable, build_extension
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("kv_kernels.cpp"),)
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("kv_kernels.cpp", "zip_kernels.h", "gear_kernels.h"))
 
 
 @functools.cache

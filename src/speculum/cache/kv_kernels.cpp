@@ -304,6 +304,10 @@ inline void row_blocks(int64_t R, F&& f) {
     with_rows<MB>(R - r0, [&](auto m) { f(r0, m); });
 }
 
+// ZipCache's chunk parts: their layout and per-piece kernels; GEAR's corrections of a quantized piece
+#include "zip_kernels.h"
+#include "gear_kernels.h"
+
 // ---- sources ----------------------------------------------------------------------------------------------
 
 // A KV head's quantized store (one layer): the layouts above; T and T/G the allocated token and group counts.
@@ -324,7 +328,7 @@ struct Rows {
 };
 
 struct Piece {
-  int src;           // -1: the quantized store; else an index into the row sources
+  int src;           // -1: the quantized store; -2 - i: ZipCache part i; else an index into the row sources
   int64_t a, len;    // keys a .. a + len - 1 of the source
   int64_t col;       // its first column in the concatenated key sequence (for the mask)
 };
@@ -334,6 +338,8 @@ struct Problem {
   const float* Q;  // [H_kv, R, d] folded rows, scaled
   Quant quant;
   std::vector<Rows> rows;
+  std::vector<ZipPart> zip;
+  GearTerms gear;              // the quantized store's corrections (GEAR), or none
   std::vector<Piece> pieces;
   std::vector<int64_t> tasks;  // task i: pieces tasks[i] .. tasks[i + 1] - 1
   const bool* mask;            // [Hm, n, Lm] over the last Lm columns, or null
@@ -456,6 +462,30 @@ inline void with_dtype(c10::ScalarType t, F&& f) {
 void piece_scores(const Problem& p, Scratch& s, int64_t h, const Piece& pc) {
   const int64_t R = p.R, d = p.d, sp = p.sp;
   const float* Q = p.Q + h * R * d;
+  if (pc.src <= -2) {
+    const ZipPart& z = p.zip[-2 - pc.src];
+    const c10::Half *lo = z.klo + h * d, *st = z.kst + h * d;
+    for (int64_t r = 0; r < R; ++r) {  // QS = q step, bias = q . lo
+      vf b = vzero();
+      for (int64_t c = 0; c < d; c += VW) {
+        const vf qr = vload(Q + r * d + c);
+        vstore(s.QS.data() + r * d + c, vmul(qr, vload(st + c)));
+        b = vfma(qr, vload(lo + c), b);
+      }
+      s.bias[r] = hsum(b);
+    }
+    const uint8_t* kc = z.kc + (h * z.k + pc.a) * z.run.P;
+    with_plan(z.run, [&](auto mode, auto k) {
+      constexpr int MODE = decltype(mode)::value, K = decltype(k)::value;
+      for (int64_t t0 = 0; t0 < pc.len; t0 += VW)
+        row_blocks<1>(R, [&](int64_t r0, auto m) {
+          zip_scores<MODE, K, decltype(m)::value>(z.run, kc + t0 * z.run.P, std::min<int64_t>(VW, pc.len - t0), d,
+                                                  s.QS.data() + r0 * d, s.bias.data() + r0,
+                                                  s.S.data() + r0 * sp + t0, sp);
+        });
+    });
+    return;
+  }
   if (pc.src < 0) {
     const Quant& q = p.quant;
     const auto* klo = reinterpret_cast<const c10::Half*>(q.klo);
@@ -482,6 +512,7 @@ void piece_scores(const Problem& p, Scratch& s, int64_t h, const Piece& pc) {
           });
       });
     }
+    if (p.gear.rank || p.gear.K) gear_scores(p.gear, h, R, d, q.G, pc.a, pc.len, Q, s.S.data(), sp);
     return;
   }
   const Rows& src = p.rows[pc.src];
@@ -510,7 +541,14 @@ void piece_logits(const Problem& p, Scratch& s, int64_t h, const Piece& pc) {
     if (p.softcap > 0.0f)
       for (int64_t t = 0; t < pc.len; ++t) S[t] = std::tanh(S[t] / p.softcap) * p.softcap;
     std::fill(S + pc.len, S + padded, NEG_INF);
-    if (p.mask && pc.col + pc.len > first_masked) {
+    if (pc.src <= -2) {  // a ZipCache part: each token's column from its map (none: all visible)
+      const ZipPart& z = p.zip[-2 - pc.src];
+      if (!z.cols) continue;
+      const int32_t* cols = z.cols + h * z.k + pc.a;
+      const bool* mk = p.mask ? p.mask + ((p.Hm == 1 ? 0 : h) * p.n + r % p.n) * p.Lm : nullptr;
+      for (int64_t t = 0; t < pc.len; ++t)
+        if (cols[t] < 0 || (mk && cols[t] >= first_masked && !mk[cols[t] - first_masked])) S[t] = NEG_INF;
+    } else if (p.mask && pc.col + pc.len > first_masked) {
       const int64_t i = r % p.n;
       const bool* mk = p.mask + ((p.Hm == 1 ? 0 : h) * p.n + i) * p.Lm;
       for (int64_t t = std::max<int64_t>(0, first_masked - pc.col); t < pc.len; ++t)
@@ -548,6 +586,40 @@ void piece_softmax(const Problem& p, Scratch& s, const Piece& pc, float* m, floa
 
 void piece_values(const Problem& p, Scratch& s, int64_t h, const Piece& pc, float* O) {
   const int64_t R = p.R, d = p.d, sp = p.sp;
+  if (pc.src <= -2) {
+    const ZipPart& z = p.zip[-2 - pc.src];
+    // PS[r, t] = P[r, t] vstep[t], los[r] = sum_t P[r, t] vlo[t] (whole vectors, then the tail one by one: the
+    // part's last tokens are its tensor's last numbers)
+    const c10::Half *vlo = z.vlo + h * z.k + pc.a, *vst = z.vst + h * z.k + pc.a;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* P = s.S.data() + r * sp;
+      float* PS = s.PS.data() + r * sp;
+      vf acc = vzero();
+      int64_t t = 0;
+      for (; t + VW <= pc.len; t += VW) {
+        const vf pt = vload(P + t);
+        vstore(PS + t, vmul(pt, vload(vst + t)));
+        acc = vfma(pt, vload(vlo + t), acc);
+      }
+      float lo = hsum(acc);
+      for (; t < pc.len; ++t) {
+        PS[t] = P[t] * static_cast<float>(vst[t]);
+        lo += P[t] * static_cast<float>(vlo[t]);
+      }
+      s.los[r] = lo;
+    }
+    const uint8_t* vc = z.vc + (h * z.k + pc.a) * z.run.P;
+    with_plan(z.run, [&](auto mode, auto k) {
+      constexpr int MODE = decltype(mode)::value, K = decltype(k)::value;
+      for (int64_t j = 0; j < z.run.chunks; ++j)
+        row_blocks<K>(R, [&](int64_t r0, auto m) {
+          zip_values<MODE, K, decltype(m)::value>(z.run, j, vc, pc.len, s.PS.data() + r0 * sp, sp,
+                                                  s.los.data() + r0, s.alpha.data() + r0, z.vscale + h * d,
+                                                  O + r0 * d, d);
+        });
+    });
+    return;
+  }
   if (pc.src < 0) {
     const Quant& q = p.quant;
     const int64_t ng = q.ng;
@@ -577,6 +649,7 @@ void piece_values(const Problem& p, Scratch& s, int64_t h, const Piece& pc, floa
                                                     q.Gc, O + r0 * d, d);
         });
     });
+    if (p.gear.rank || p.gear.K) gear_values(p.gear, h, R, d, q.G, pc.a, pc.len, s.S.data(), sp, O);
     return;
   }
   const Rows& src = p.rows[pc.src];
@@ -606,12 +679,15 @@ void add_pieces(Problem& p, int src, int64_t a, int64_t b, int64_t step) {
   }
 }
 
-// tasks of consecutive pieces, about TASK keys each, a new task at each change of source
+// a piece's source, ZipCache's parts as one
+inline int kind(int src) { return src <= -2 ? -2 : src; }
+
+// tasks of consecutive pieces, about TASK keys each, a new task at each change of source (ZipCache's parts: one)
 void cut_tasks(Problem& p) {
   p.tasks.clear();
   int64_t keys = 0;
   for (size_t i = 0; i < p.pieces.size(); ++i) {
-    if (i == 0 || keys + p.pieces[i].len > TASK || p.pieces[i].src != p.pieces[i - 1].src) {
+    if (i == 0 || keys + p.pieces[i].len > TASK || kind(p.pieces[i].src) != kind(p.pieces[i - 1].src)) {
       p.tasks.push_back(static_cast<int64_t>(i));
       keys = 0;
     }
@@ -910,6 +986,159 @@ torch::Tensor slot_attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, std
   return run(p, q, scale);
 }
 
+// quant_attend over GEAR's store (speculum/cache/gear.py): the codes plus, in the same pass, the low-rank terms
+// and outliers (gear_kernels.h) of one layer. fa [2, H_kv, r, T_cap] float16 left factors by slot (transposed),
+// fb [2, H_kv, C_cap, r, d] float16 right factors by chunk, chunk_of [T_cap / G] int64 each group's chunk, the
+// slots read lying in chunks c0 .. c1 - 1; oidx [2, H_kv, K_cap] int32 the outliers' flat indices in their
+// chunk, increasing over the first K (in chunk order, each chunk's sorted), obase [K_cap] int32 their chunk's
+// first flat index, odelta [2, H_kv, K_cap] float32 their corrections. -> [n, H d] in q's dtype.
+torch::Tensor gear_attend(torch::Tensor q, torch::Tensor kcodes, torch::Tensor klo, torch::Tensor kstep,
+                          torch::Tensor vcodes, torch::Tensor vlo, torch::Tensor vstep, int64_t bits, int64_t start,
+                          int64_t tq, torch::Tensor rk, torch::Tensor rv, torch::Tensor mask, double scale,
+                          double softcap, torch::Tensor fa, torch::Tensor fb, torch::Tensor chunk_of, int64_t c0,
+                          int64_t c1, torch::Tensor oidx, torch::Tensor obase, torch::Tensor odelta, int64_t K) {
+  const int64_t Hkv = rk.size(0), d = q.size(-1);
+  Problem p = make_problem(q, Hkv, mask);
+  p.rows.push_back(rows_of(rk, rv, Hkv, d));
+  p.dtype = rk.scalar_type();
+  p.softcap = static_cast<float>(softcap);
+  p.quant = Quant{};
+  if (tq > start) {
+    p.quant = quant_of(kcodes, klo, kstep, vcodes, vlo, vstep, bits, start, tq, Hkv, d);
+    add_quant_pieces(p, start, tq);
+    for (const auto* t : {&fa, &fb, &chunk_of, &oidx, &obase, &odelta}) {
+      check_cpu(*t, "GEAR's terms");
+      TORCH_CHECK(t->is_contiguous(), "GEAR's terms must be contiguous");
+    }
+    TORCH_CHECK(fa.scalar_type() == torch::kHalf && fb.scalar_type() == torch::kHalf &&
+                    chunk_of.scalar_type() == torch::kInt64 && oidx.scalar_type() == torch::kInt32 &&
+                    obase.scalar_type() == torch::kInt32 && odelta.scalar_type() == torch::kFloat32,
+                "GEAR's terms: factors float16, chunks int64, outlier indices int32, corrections float32");
+    TORCH_CHECK(fa.dim() == 4 && fa.size(0) == 2 && fa.size(1) == Hkv && fa.size(2) <= 64 && fa.size(3) >= tq &&
+                    fb.dim() == 5 && fb.size(0) == 2 && fb.size(1) == Hkv && fb.size(3) == fa.size(2) &&
+                    fb.size(4) == d && chunk_of.dim() == 1 && chunk_of.size(0) * p.quant.G >= tq,
+                "GEAR's factors: [2, H_kv, r <= 64, T_cap] and [2, H_kv, C_cap, r, d], chunk_of [T_cap / G]");
+    TORCH_CHECK(0 <= c0 && c0 < c1 && c1 <= fb.size(2), "chunks out of range");
+    TORCH_CHECK(oidx.dim() == 3 && oidx.size(0) == 2 && oidx.size(1) == Hkv && odelta.sizes() == oidx.sizes() &&
+                    obase.dim() == 1 && obase.size(0) == oidx.size(2) && 0 <= K && K <= oidx.size(2),
+                "GEAR's outliers: [2, H_kv, K_cap] indices and corrections, [K_cap] bases, K <= K_cap");
+    GearTerms& g = p.gear;
+    g.rank = fa.size(2), g.Tcap = fa.size(3), g.Ccap = fb.size(2), g.c0 = c0, g.C = c1 - c0;
+    g.which = chunk_of.data_ptr<int64_t>();
+    for (int64_t grp = start / p.quant.G; grp < tq / p.quant.G; ++grp)
+      TORCH_CHECK(c0 <= g.which[grp] && g.which[grp] < c1, "a group's chunk out of range");
+    g.K = K, g.Kcap = oidx.size(2), g.base = obase.data_ptr<int32_t>();
+    g.dshift = (d & (d - 1)) == 0 ? __builtin_ctzll(static_cast<unsigned long long>(d)) : -1;
+    for (int kind = 0; kind < 2; ++kind) {
+      g.a[kind] = reinterpret_cast<const c10::Half*>(fa.data_ptr()) + kind * Hkv * g.rank * g.Tcap;
+      g.b[kind] = reinterpret_cast<const c10::Half*>(fb.data_ptr()) + kind * Hkv * g.Ccap * g.rank * d;
+      g.idx[kind] = oidx.data_ptr<int32_t>() + kind * Hkv * g.Kcap;
+      g.delta[kind] = odelta.data_ptr<float>() + kind * Hkv * g.Kcap;
+    }
+    if (g.rank) {  // q . B of the keys' chunks, per folded row
+      const torch::Tensor folded = fold(q, Hkv, scale);
+      const float* Q = folded.data_ptr<float>();
+      const int64_t R = p.R;
+      g.qb.assign(Hkv * R * g.C * g.rank, 0.0f);
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t c = 0; c < g.C; ++c)
+            for (int64_t k = 0; k < g.rank; ++k) {
+              const c10::Half* B = g.b[0] + ((h * g.Ccap + c0 + c) * g.rank + k) * d;
+              vf acc = vzero();
+              for (int64_t x = 0; x < d; x += VW) acc = vfma(vload(Q + (h * R + r) * d + x), vload(B + x), acc);
+              g.qb[((h * R + r) * g.C + c) * g.rank + k] = hsum(acc);
+            }
+    }
+  }
+  add_pieces(p, 0, 0, rk.size(1), SUB);
+  TORCH_CHECK(p.Lm <= p.L, "the mask has more columns than there are keys");
+  return run(p, q, scale);
+}
+
+// Attention of q [n, H, d] over one layer of a ZipCache store (speculum/cache/mixed.py), its chunks' parts read
+// as stored (zip_kernels.h), followed by the float rows rk, rv [H_kv, Lr, d] (the residual window, the step's
+// entries last); mask as quant_attend's over the tq - start + Lr columns, the store's in slot order (start ..
+// tq - 1); softcap 0 for none. parts: 8 tensors per part, each [layers, H_kv, ...] contiguous: key codes
+// [.., k, d b/8] uint8, minimum and step [.., 1, d] float16, value codes [.., k, d b/8] uint8, minimum and step
+// [.., k, 1] float16, the chunk's value channel scales [.., d] float16 and salient flags [.., t] bool; meta: 3
+// numbers per part (bits, the chunk's first slot, 1 for its salient part or 0). A chunk may start before start
+// (its earlier tokens are not read) but must end by tq. -> [n, H d] in q's dtype.
+torch::Tensor zip_attend(torch::Tensor q, std::vector<torch::Tensor> parts, std::vector<int64_t> meta, int64_t layer,
+                         int64_t start, int64_t tq, torch::Tensor rk, torch::Tensor rv, torch::Tensor mask, double scale,
+                         double softcap) {
+  const int64_t Hkv = rk.size(0), d = q.size(-1), Lr = rk.size(1), np = static_cast<int64_t>(meta.size()) / 3;
+  Problem p = make_problem(q, Hkv, mask);
+  p.rows.push_back(rows_of(rk, rv, Hkv, d));
+  p.dtype = rk.scalar_type();
+  p.softcap = static_cast<float>(softcap);
+  p.quant = Quant{};
+  TORCH_CHECK(static_cast<int64_t>(parts.size()) == 8 * np && static_cast<int64_t>(meta.size()) == 3 * np,
+              "zip_attend takes 8 tensors and 3 numbers per part");
+  TORCH_CHECK(0 <= start && start <= tq, "start out of range");
+  const int64_t Lq = tq - start, first_masked = Lq + Lr - p.Lm;
+  TORCH_CHECK(first_masked >= 0, "the mask has more columns than there are keys");
+  // columns need a map where a chunk starts before start or the mask hides a column of the store
+  bool need = false;
+  for (int64_t i = 0; i < np; ++i) need |= meta[3 * i + 1] < start;
+  for (int64_t x = 0; p.mask && !need && x < p.Hm * p.n; ++x)
+    for (int64_t c = 0; c < Lq - first_masked; ++c)
+      if (!p.mask[x * p.Lm + c]) {
+        need = true;
+        break;
+      }
+  std::vector<std::vector<int32_t>> cols(np);
+  for (int64_t i = 0; i < np; ++i) {
+    const torch::Tensor* t = parts.data() + 8 * i;
+    const int64_t bits = meta[3 * i], cstart = meta[3 * i + 1];
+    const bool hi = meta[3 * i + 2] != 0;
+    for (int j = 0; j < 8; ++j) {
+      check_cpu(t[j], "a ZipCache part");
+      TORCH_CHECK(t[j].is_contiguous() && t[j].dim() >= 3 && t[j].size(1) == Hkv && t[j].size(0) == t[0].size(0),
+                  "a ZipCache part's tensors must be contiguous [layers, H_kv, ...]");
+    }
+    TORCH_CHECK(0 <= layer && layer < t[0].size(0), "layer out of range");
+    TORCH_CHECK(bits == 2 || bits == 4, "2 or 4 bits");
+    const int64_t k = t[0].size(2), P = d * bits / 8, T = t[7].size(2);
+    TORCH_CHECK(t[0].scalar_type() == torch::kUInt8 && t[3].scalar_type() == torch::kUInt8 &&
+                    t[7].scalar_type() == torch::kBool, "codes must be uint8, salient flags bool");
+    for (int j : {1, 2, 4, 5, 6}) TORCH_CHECK(t[j].scalar_type() == torch::kHalf, "minima, steps and scales: float16");
+    TORCH_CHECK(t[0].dim() == 4 && t[0].size(3) == P && t[3].sizes() == t[0].sizes() && t[1].dim() == 4 &&
+                    t[1].size(2) == 1 && t[1].size(3) == d && t[2].sizes() == t[1].sizes() && t[4].dim() == 4 &&
+                    t[4].size(2) == k && t[4].size(3) == 1 && t[5].sizes() == t[4].sizes() && t[6].dim() == 3 &&
+                    t[6].size(2) == d && t[7].dim() == 3 && k <= T,
+                "a ZipCache part's shapes: codes [.., k, d b/8], key ranges [.., 1, d], value ranges [.., k, 1], "
+                "scales [.., d], flags [.., t]");
+    TORCH_CHECK(cstart >= 0 && cstart + T <= tq, "a chunk past the store's end");
+    const Run zrun = plan(d, static_cast<int>(bits));
+    TORCH_CHECK(zrun.mode >= 0, "this build does not read ", bits, "-bit codes of head dim ", d, " (see reads_packed)");
+    auto at = [&](int j) { return static_cast<const char*>(t[j].data_ptr()) + layer * t[j].stride(0) * t[j].element_size(); };
+    auto half = [&](int j) { return reinterpret_cast<const c10::Half*>(at(j)); };
+    ZipPart z{reinterpret_cast<const uint8_t*>(at(0)), reinterpret_cast<const uint8_t*>(at(3)), half(1), half(2),
+              half(4), half(5), half(6), k, zrun, nullptr};
+    if (need) {  // token j of the part: the j-th slot of the chunk whose flag says this part
+      cols[i].resize(Hkv * k);
+      const bool* flags = reinterpret_cast<const bool*>(at(7));
+      for (int64_t h = 0; h < Hkv; ++h) {
+        int64_t j = 0;
+        for (int64_t u = 0; u < T; ++u)
+          if (flags[h * T + u] == hi) {
+            TORCH_CHECK(j < k, "a ZipCache part holds fewer tokens than its flags say");
+            cols[i][h * k + j++] = static_cast<int32_t>(cstart + u - start);
+          }
+        TORCH_CHECK(j == k, "a ZipCache part holds more tokens than its flags say");
+      }
+      z.cols = cols[i].data();
+    }
+    p.zip.push_back(z);
+    for (int64_t x = 0; x < k; x += SUB) p.pieces.push_back(Piece{static_cast<int>(-2 - i), x, std::min(SUB, k - x), -1});
+  }
+  p.L = Lq;  // the window's columns follow the store's
+  add_pieces(p, 0, 0, Lr, SUB);
+  TORCH_CHECK(p.Lm <= p.L, "the mask has more columns than there are keys");
+  return run(p, q, scale);
+}
+
 // Whether this build reads N codes of b bits packed as a run (key groups: N = G; values: N = d, with
 // channel groups of a whole number of vectors).
 bool reads_packed(int64_t N, int64_t bits) {
@@ -963,6 +1192,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_value_sums", &quant_value_sums, "probability-weighted value sums over a KIVI packed store, read from the codes");
   m.def("slot_attend", &slot_attend, "attention over chosen slots of a float cache, read in place, and the new entries");
   m.def("slot_scores", &slot_scores, "attention logits over chosen or all slots of a float cache, read in place");
+  m.def("gear_attend", &gear_attend, "attention over GEAR's store: KIVI's codes, low-rank terms and outliers in one pass");
+  m.def("zip_attend", &zip_attend, "attention over a ZipCache mixed-precision store, read as stored, and a float window");
   m.def("isa", &isa, "instruction set of this build");
   m.def("reads_packed", &reads_packed, "whether this build reads a packed run of N b-bit codes");
   m.attr("vector_width") = VW;

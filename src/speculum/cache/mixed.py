@@ -12,6 +12,14 @@ Saliency is given for the prompt (the policy's probe queries) and computed here 
 :func:`local_saliency`: the group's own queries (the window keeps them, :attr:`keeps_queries`) are the
 probes, so a group's precision depends on nothing but its tokens and is the same for any step grouping.
 
+Reading (:meth:`MixedKVCache.read`): where the KV kernels are built and read the parts' codes
+(``zip_attend``, :mod:`speculum.cache.kernels`), each part is read from its codes where it is stored,
+under one softmax with the window, nothing dequantized; attention does not depend on the order of
+its keys, so the parts need no scattering back into slot order (only where a mask hides some of the
+store's slots, or a sliding layer's read starts inside a chunk, do the kernels map each token to its
+slot through the chunk's ``salient`` flags). Elsewhere (off a CPU, 8-bit parts) a layer is decoded
+and attended in torch, which gives the same result to float rounding.
+
 Example (ratio 0.4, group 32): each later group keeps 19 tokens per head at 4 bits and 13 at 2 bits.
 """
 
@@ -22,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import AttentionLayout
+from .kernels import kernels_for, mask3
 from .quantized import decode_keys, decode_values, encode_keys, encode_values
 from .window import WindowKVCache
 
@@ -174,6 +183,37 @@ class MixedKVCache(WindowKVCache):
         keys = torch.cat([p[0] for p in parts], dim=1)[:, start - first:]
         values = torch.cat([p[1] for p in parts], dim=1)[:, start - first:]
         return keys.to(self.dtype), values.to(self.dtype)
+
+    def kernel_reads(self, ops) -> bool:
+        """Whether the kernels ``ops`` read this store's parts: ``zip_attend`` built, both precisions' runs of
+        ``d`` codes in a layout the build reads (2 or 4 bits)."""
+        return hasattr(ops, "zip_attend") and all(ops.reads_packed(self.layout.head_dim, b) for b in self.bits)
+
+    def part_operands(self, start: int) -> tuple[list[torch.Tensor], list[int]]:
+        """The parts of the chunks holding slots ``start .. tq-1`` as ``zip_attend`` takes them (every layer's
+        tensors; the call picks one): 8 tensors and 3 numbers (bits, chunk's first slot, salient) a part."""
+        tensors: list[torch.Tensor] = []
+        meta: list[int] = []
+        for c in self.chunks:
+            if c.end <= start or c.start >= self.tq:
+                continue
+            for salient, part in zip((1, 0), c.parts):
+                if part is not None:
+                    tensors += [part.kc, part.klo, part.kstep, part.vc, part.vlo, part.vstep, c.vscale, c.salient]
+                    meta += [part.bits, c.start, salient]
+        return tensors, meta
+
+    def read(self, layer: int, q: torch.Tensor, start: int, keys: torch.Tensor, values: torch.Tensor,
+             visible: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`WindowKVCache.read <speculum.cache.window.WindowKVCache.read>` on the parts' codes as stored
+        (``zip_attend``), where the kernels are built and read them; else decoded and attended in torch."""
+        s = self.layout
+        ops = kernels_for(q, s.head_dim)
+        if ops is None or not self.kernel_reads(ops):
+            return super().read(layer, q, start, keys, values, visible)
+        tensors, meta = self.part_operands(start)
+        return ops.zip_attend(q, tensors, meta, layer, start, self.tq, keys, values, mask3(visible), s.scale,
+                              s.softcap or 0.0)
 
     def roundtrip(self, layer, keys, values, queries):
         one = self.encode(keys, values, self.saliency(layer, keys, queries))

@@ -125,8 +125,8 @@ class QuantKVCache(WindowKVCache):
         resid: ``[layers, 2, H_kv, R_cap, d]`` the recent entries in the model's dtype.
 
     Class attribute ``reads_codes``: the store is the codes alone, so ``quant_attend`` reads it
-    (False in a subclass that corrects what it decodes: GEAR, which reads the codes with the kernels'
-    two halves, ``quant_logits`` and ``quant_value_sums``, and adds its corrections in between).
+    (False in a subclass that corrects what it decodes: GEAR, which reads the codes and its corrections
+    together with ``gear_attend``).
     """
 
     reads_codes = True
