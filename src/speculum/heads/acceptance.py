@@ -10,7 +10,10 @@ predicted acceptance probability. ``inner=0`` makes it one linear layer; ``inner
 (``D -> inner -> 1``, SiLU between; the paper's heads are small residual MLPs).
 
 A head file is one safetensors file (float32 weights; a few hundred KB for a 576-wide draft), its
-metadata naming the kind (``acceptance``), the config and what it was trained on.
+metadata naming the kind (``acceptance``), the config and what it was trained on: the target's name
+(:func:`~speculum.models.target_key`) and the draft's :func:`draft_fingerprint`. A head belongs to
+one (target, draft) pair: :func:`shipped_acceptance_head` finds a shipped one
+(``heads/weights/<target key>/acceptance-<draft>.safetensors``) only for the draft it was trained with.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from pathlib import Path
 import torch
 
 from ..errors import SpeculumError
+from ..models import target_key
 
 KIND = "acceptance"
+SHIPPED = Path(__file__).parent / "weights"
 
 
 @dataclass(frozen=True)
@@ -89,3 +94,58 @@ def load_acceptance_head(path: str | Path, hidden: int | None = None) -> tuple[A
                             f"the draft model's is {hidden}")
     head.load_state_dict(tensors)
     return head.eval().requires_grad_(False), json.loads(header.get("meta", "{}"))
+
+
+def read_acceptance_meta(path: str | Path) -> dict:
+    """The ``meta`` a head file was saved with (its training record), without loading the weights;
+    {} for a file that is not an acceptance head."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            header = f.metadata() or {}
+    except Exception:  # noqa: BLE001 - a foreign or damaged file: not a head to pick
+        return {}
+    return json.loads(header.get("meta", "{}")) if header.get("kind") == KIND else {}
+
+
+def draft_fingerprint(model: torch.nn.Module) -> dict | None:
+    """What tells one draft model's weights from another's: its layer count, hidden size and
+    vocabulary, and the mean magnitude of its input embedding and of its last three norm weights
+    (the last layer's and the final one), by name: tensors a runner never releases. None where
+    they cannot be read. Magnitudes survive a change of dtype (float32 / bfloat16) but not another
+    model or another layer count."""
+    config = model.config.get_text_config()
+    norms = [(n, p) for n, p in model.named_parameters() if n.endswith("norm.weight")]
+    embed = model.get_input_embeddings()
+    picked = [("embed", getattr(embed, "weight", None))] + norms[-3:]
+    if any(t is None or t.numel() == 0 or t.is_meta for _, t in picked):
+        return None
+    return {"layers": config.num_hidden_layers, "hidden": config.hidden_size, "vocab": config.vocab_size,
+            "weights": {name: float(t.detach().float().abs().mean()) for name, t in picked}}
+
+
+def same_draft(recorded: dict | None, model: torch.nn.Module, rtol: float = 1e-3) -> bool:
+    """Whether ``model`` is the draft whose :func:`draft_fingerprint` is ``recorded``."""
+    mine = draft_fingerprint(model)
+    if not recorded or mine is None:
+        return False
+    if any(recorded.get(k) != mine[k] for k in ("layers", "hidden", "vocab")):
+        return False
+    theirs = recorded.get("weights", {})
+    return theirs.keys() == mine["weights"].keys() and all(
+        abs(theirs[k] - v) <= rtol * abs(v) for k, v in mine["weights"].items())
+
+
+def shipped_acceptance_head(target: torch.nn.Module, draft: torch.nn.Module) -> Path | None:
+    """The shipped head trained for this (target, draft) pair, if any: a file of
+    ``heads/weights/<target key>/acceptance*.safetensors`` whose recorded target is ``target``'s
+    key and whose recorded draft fingerprint matches ``draft``."""
+    key = target_key(target)
+    if not key:
+        return None
+    for path in sorted((SHIPPED / key).glob(f"{KIND}*.safetensors")):
+        meta = read_acceptance_meta(path)
+        if meta.get("target") == key and same_draft(meta.get("draft_fingerprint"), draft):
+            return path
+    return None
