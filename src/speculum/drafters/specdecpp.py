@@ -118,7 +118,7 @@ class SpecDecPPDrafter(DraftModelDrafter):
     def _stops_after(self, probs: torch.Tensor, token: int) -> bool:
         if self.head is None:
             return super()._stops_after(probs, token)
-        self.predicted.append(float(self.head.accept_prob(self.hidden)))
+        self.predicted.append(float(self.head.accept_prob(self.hidden, probs[token])))
         return rejection_risk(self.predicted) > self.stop
 
 

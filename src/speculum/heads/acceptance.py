@@ -7,7 +7,9 @@ drafting by it; ``speculum.train.acceptance`` trains it.
 The head reads ``h [..., D]``, the draft's final (normed) hidden state at the position whose
 logits the token was drafted from, and returns one logit ``[...]``: ``sigmoid`` of it is the
 predicted acceptance probability. ``inner=0`` makes it one linear layer; ``inner > 0`` two
-(``D -> inner -> 1``, SiLU between; the paper's heads are small residual MLPs).
+(``D -> inner -> 1``, SiLU between; the paper's heads are small residual MLPs). With
+``draft_prob=True`` (not in the paper) it also reads ``p [...]``, the draft's probability of the
+token it drafted, as one more input: the signal the head-free stand-in predicts from.
 
 A head file is one safetensors file (float32 weights; a few hundred KB for a 576-wide draft), its
 metadata naming the kind (``acceptance``), the config and what it was trained on: the target's name
@@ -35,29 +37,39 @@ SHIPPED = Path(__file__).parent / "weights"
 class AcceptanceConfig:
     hidden: int  # D, the draft model's hidden size
     inner: int = 64  # 0: a linear head; else the MLP's width
+    draft_prob: bool = False  # also read the draft's probability of its token
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 class AcceptanceHead(torch.nn.Module):
-    """``h [..., D] -> logit [...]`` of P(the token drafted from h is accepted)."""
+    """``h [..., D]`` (and with ``draft_prob`` ``p [...]``) ``-> logit [...]`` of P(the token
+    drafted from h is accepted)."""
 
     def __init__(self, config: AcceptanceConfig):
         super().__init__()
         self.config = config
+        width = config.hidden + int(config.draft_prob)
         if config.inner > 0:
-            self.net = torch.nn.Sequential(torch.nn.Linear(config.hidden, config.inner), torch.nn.SiLU(),
+            self.net = torch.nn.Sequential(torch.nn.Linear(width, config.inner), torch.nn.SiLU(),
                                            torch.nn.Linear(config.inner, 1))
         else:
-            self.net = torch.nn.Linear(config.hidden, 1)
+            self.net = torch.nn.Linear(width, 1)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.net(h.float()).squeeze(-1)
+    def forward(self, h: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
+        x = h.float()
+        if self.config.draft_prob:
+            if p is None:
+                raise SpeculumError("this acceptance head also reads the draft's probability of its token (p)")
+            x = torch.cat([x, torch.as_tensor(p, dtype=torch.float32, device=x.device).expand(x.shape[:-1])[..., None]],
+                          -1)
+        return self.net(x).squeeze(-1)
 
-    def accept_prob(self, h: torch.Tensor) -> torch.Tensor:
-        """``[...]`` predicted acceptance probabilities of the tokens drafted from ``h [..., D]``."""
-        return torch.sigmoid(self(h))
+    def accept_prob(self, h: torch.Tensor, p: torch.Tensor | None = None) -> torch.Tensor:
+        """``[...]`` predicted acceptance probabilities of the tokens drafted from ``h [..., D]``
+        (``p [...]``: their draft probabilities, for a ``draft_prob`` head)."""
+        return torch.sigmoid(self(h, p))
 
 
 def save_acceptance_head(path: str | Path, head: AcceptanceHead, meta: dict) -> Path:

@@ -175,7 +175,7 @@ def compare_on_held_out(head: AcceptanceHead, train: AcceptancePairs, held: Acce
     """Held-out numbers of the head and of the calibrated-probability stand-in on the same pairs:
     AUC, Brier score, and :func:`replay_stops` at ``threshold`` (greedy labels)."""
     with torch.no_grad():
-        mine = head.accept_prob(held.hidden)
+        mine = head.accept_prob(held.hidden, held.draft_prob)
     out = {"held_pairs": len(held.label), "held_label_mean": float(held.label.mean()),
            "head_pred_mean": float(mine.mean()), "head_auc": auc(mine, held.label),
            "head_brier": float(((mine - held.label) ** 2).mean())}
@@ -191,7 +191,7 @@ def compare_on_held_out(head: AcceptanceHead, train: AcceptancePairs, held: Acce
 
 def train_head(pairs: AcceptancePairs, inner: int = 64, reject_weight: float = 6.0, steps: int = 400,
                lr: float = 3e-3, batch: int = 512, seed: int = 0, progress: bool = True,
-               threshold: float = 0.7) -> tuple[AcceptanceHead, dict]:
+               threshold: float = 0.7, draft_prob: bool = False) -> tuple[AcceptanceHead, dict]:
     """Fit a head on 90% of ``pairs`` (:func:`held_out_split`); returns it and held-out numbers (loss,
     and :func:`compare_on_held_out`'s comparison with the stand-in)."""
     from tqdm import tqdm
@@ -199,18 +199,21 @@ def train_head(pairs: AcceptancePairs, inner: int = 64, reject_weight: float = 6
     gen = torch.Generator().manual_seed(seed)
     train, held = held_out_split(pairs, 0.1, seed)
     torch.manual_seed(seed)
-    head = AcceptanceHead(AcceptanceConfig(pairs.hidden.shape[-1], inner))
+    head = AcceptanceHead(AcceptanceConfig(pairs.hidden.shape[-1], inner, draft_prob))
+    probs = pairs.draft_prob if draft_prob else None
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=1e-4)
     for _ in tqdm(range(steps), desc="acceptance head", unit="step", disable=not progress):
         pick = train[torch.randint(len(train), (min(batch, len(train)),), generator=gen)]
-        loss = weighted_bce(head(pairs.hidden[pick]), pairs.label[pick], reject_weight)
+        loss = weighted_bce(head(pairs.hidden[pick], None if probs is None else probs[pick]), pairs.label[pick],
+                            reject_weight)
         opt.zero_grad()
         loss.backward()
         opt.step()
     head = head.eval().requires_grad_(False)
     with torch.no_grad():
         stats = {"pairs": len(pairs.label), "train_pairs": len(train),
-                 "held_loss": round(float(weighted_bce(head(pairs.hidden[held]), pairs.label[held], reject_weight)), 4),
+                 "held_loss": round(float(weighted_bce(head(pairs.hidden[held], None if probs is None else probs[held]),
+                                                       pairs.label[held], reject_weight)), 4),
                  **compare_on_held_out(head, pairs.subset(train), pairs.subset(held), threshold)}
     return head, stats
 
@@ -275,6 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=48, help="target tokens generated per prompt (default 48)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy labels (default); > 0: soft labels")
     p.add_argument("--inner", type=int, default=64, help="MLP width; 0: a linear head (default 64)")
+    p.add_argument("--draft-prob", action="store_true",
+                   help="the head also reads the draft's probability of its token (not in the paper)")
     p.add_argument("--reject-weight", type=float, default=6.0, help="weight of rejected tokens (default 6)")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--stop", type=float, default=0.7, help="specdecpp's h for the held-out replay (default 0.7)")
@@ -294,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         pairs = collect_pairs(target, draft, sequences, args.temperature)
         if args.pairs:
             torch.save(vars(pairs), args.pairs)
-    head, stats = train_head(pairs, args.inner, args.reject_weight, args.steps, seed=args.seed, threshold=args.stop)
+    head, stats = train_head(pairs, args.inner, args.reject_weight, args.steps, seed=args.seed, threshold=args.stop,
+                             draft_prob=args.draft_prob)
     meta = {"target": target_key(target), "target_weights": getattr(target, "speculum_weights", "float"),
             "draft": args.draft, "draft_fingerprint": draft_fingerprint(draft), "prompts": args.prompts,
             "new": args.new, "temperature": args.temperature, "reject_weight": args.reject_weight,
