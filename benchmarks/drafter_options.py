@@ -16,6 +16,7 @@ A variant is ``method[:key=value,...]`` (values parsed as JSON where they parse:
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -46,7 +47,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="activations' dtype (auto: float32 on GGUF kernels, as "
                     "speculum bench runs; default bfloat16)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))  # two unless told
     model, tok = load("default", args.dtype)
     draft = load(args.draft_model, args.dtype)[0] if args.draft_model else None
     with open(args.data) as f:
