@@ -1,19 +1,22 @@
 """One drafter's options side by side: variants of ``build_method`` options on the development
 Spec-Bench prompts (one per category), interleaved after a warm-up, against ``ar``. Reports tokens
 per second, speed against ``ar``, tokens committed per step, draft and verify milliseconds per step
-and drafted nodes per step. ``window_off`` (a ``lookahead`` option here only) drops the Jacobi
+drafted nodes per step and how many outputs equal ``ar``'s. ``window_off`` (a ``lookahead`` option here only) drops the Jacobi
 window's rows from every step: the pool drafts from what it holds.
 
     .venv/bin/python benchmarks/drafter_options.py 'lookahead' 'lookahead:adaptive=false' \\
         'lookahead:window_off=true'
     .venv/bin/python benchmarks/drafter_options.py --draft-model DIR 'draft_model' \\
         'draft_model:stop_risk=0.5,num_draft=6' 'draft_model_tree'
+    .venv/bin/python benchmarks/drafter_options.py --dtype auto --draft-model /tmp/smollm2-first24 --new 64 \
+        draft_model specdecpp 'specdecpp:head=calibrated'
 
 A variant is ``method[:key=value,...]`` (values parsed as JSON where they parse: ``true``, ``0.5``).
 """
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -41,10 +44,12 @@ def main() -> None:
     ap.add_argument("--data", default="../shared/data/spec_bench/question_dev.jsonl")
     ap.add_argument("--draft-model", default=None, help="draft model for draft_model variants")
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", help="activations' dtype (auto: float32 on GGUF kernels, as "
+                    "speculum bench runs; default bfloat16)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
-    model, tok = load("default", "bfloat16")
-    draft = load(args.draft_model, "bfloat16")[0] if args.draft_model else None
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))  # two unless told
+    model, tok = load("default", args.dtype)
+    draft = load(args.draft_model, args.dtype)[0] if args.draft_model else None
     with open(args.data) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     seen, prompts = set(), []
@@ -63,6 +68,7 @@ def main() -> None:
     for _, m in methods:
         m.run(prompts[0], 16)
     totals = {spec: [0, 0.0, 0, 0.0, 0.0, 0] for spec, _ in methods}
+    outputs: dict[str, list] = {spec: [None] * len(prompts) for spec, _ in methods}
     for i, p in enumerate(prompts):
         order = methods[i % len(methods):] + methods[:i % len(methods)]
         for spec, m in order:
@@ -76,13 +82,15 @@ def main() -> None:
             s[3] += sum(x.draft_s for x in r.steps)
             s[4] += sum(x.verify_s for x in r.steps)
             s[5] += sum(x.drafted for x in r.steps)
+            outputs[spec][i] = r.tokens
     base = totals["ar"][0] / totals["ar"][1]
     print(f"{len(prompts)} prompts, {args.new} new tokens each\n")
-    print("| variant | tok/s | vs ar | tokens/step | draft ms/step | verify ms/step | nodes/step |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| variant | tok/s | vs ar | tokens/step | draft ms/step | verify ms/step | nodes/step | same as ar |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for spec, (n, secs, steps, ds, vs, nodes) in totals.items():
+        same = sum(a == b for a, b in zip(outputs[spec], outputs["ar"]))
         print(f"| `{spec}` | {n / secs:.1f} | {n / secs / base:.2f}x | {n / steps:.2f} | {1000 * ds / steps:.1f} "
-              f"| {1000 * vs / steps:.1f} | {nodes / steps:.1f} |")
+              f"| {1000 * vs / steps:.1f} | {nodes / steps:.1f} | {same}/{len(prompts)} |")
 
 
 if __name__ == "__main__":

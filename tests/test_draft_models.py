@@ -25,15 +25,26 @@ from speculum.drafting import sampled_tree
 from speculum.drafting.sampled_tree import draw_distinct
 from speculum.engine import Engine
 from speculum.errors import SpeculumError
+from speculum.heads import acceptance as acceptance_heads
 from speculum.heads.acceptance import (
     AcceptanceConfig,
     AcceptanceHead,
+    draft_fingerprint,
     load_acceptance_head,
     save_acceptance_head,
 )
 from speculum.runners import NativeRunner
 from speculum.sampling import SamplingParams
-from speculum.train.acceptance import acceptance_labels, collect_pairs, train_head, weighted_bce
+from speculum.train.acceptance import (
+    AcceptancePairs,
+    acceptance_labels,
+    auc,
+    collect_pairs,
+    held_out_split,
+    replay_stops,
+    train_head,
+    weighted_bce,
+)
 from speculum.tree import DraftTree
 from speculum.verify import Verifier
 
@@ -54,6 +65,11 @@ def constant_head(hidden: int, accept: float) -> AcceptanceHead:
     return head
 
 
+def _seeded(factory, *args):
+    torch.manual_seed(0)
+    return factory(*args)
+
+
 def _quiet(factory, *args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -61,7 +77,7 @@ def _quiet(factory, *args, **kwargs):
 
 
 @pytest.mark.parametrize("method", ["bild", "bild_never_falls_back", "specdecpp", "specdecpp_no_head",
-                                    "draft_model_tree"])
+                                    "specdecpp_prob_head", "draft_model_tree"])
 def test_greedy_equals_ar(tiny_model, method):
     runner = NativeRunner(tiny_model)
     draft = tiny_llama(seed=7, vocab=tiny_model.config.vocab_size, layers=1, logit_scale=15.0)
@@ -70,6 +86,8 @@ def test_greedy_equals_ar(tiny_model, method):
         "bild_never_falls_back": lambda: BiLDDrafter(draft, fallback=0.0, max_draft=6),
         "specdecpp": lambda: SpecDecPPDrafter(draft, head=constant_head(64, 0.85), stop=0.5),
         "specdecpp_no_head": lambda: _quiet(SpecDecPPDrafter, draft, stop=0.5),
+        "specdecpp_prob_head": lambda: SpecDecPPDrafter(draft, head=_seeded(AcceptanceHead,
+                                                                            AcceptanceConfig(64, 8, draft_prob=True))),
         "draft_model_tree": lambda: DraftModelDrafter(draft, top_k=3, num_draft=4),
     }[method]()
     ar = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[])
@@ -227,10 +245,89 @@ def test_acceptance_trainer_labels_and_fit():
     soft = acceptance_labels(tl, dl, 1.0)
     assert bool(((soft > 0) & (soft <= 1)).all())
     head, stats = train_head(pairs, inner=16, reject_weight=1.0, steps=150, progress=False)
-    assert abs(stats["held_pred_mean"] - stats["held_label_mean"]) < 0.25
+    assert abs(stats["head_pred_mean"] - stats["held_label_mean"]) < 0.25
+    assert {"head_auc", "standin_auc", "head_tokens_per_step", "standin_tokens_per_step"} <= stats.keys()
     mean = float(pairs.label.mean())
     const = weighted_bce(torch.full_like(pairs.label, math.log(mean / (1 - mean))), pairs.label, 1.0)
     assert float(weighted_bce(head(pairs.hidden), pairs.label, 1.0)) < float(const)
+    head, _ = train_head(pairs, inner=16, reject_weight=1.0, steps=150, progress=False, draft_prob=True)
+    assert float(weighted_bce(head(pairs.hidden, pairs.draft_prob), pairs.label, 1.0)) < float(const)
+    with pytest.raises(SpeculumError, match="probability"):
+        head(pairs.hidden)
+
+
+def test_held_out_metrics_on_constructed_cases():
+    """AUC ranks accepted pairs above rejected ones (ties half); the stop rule's replay along the
+    target's path counts each chain's leading accepted run and its drafted tokens; held-out pairs
+    are whole sequences."""
+    label = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    assert auc(torch.tensor([0.9, 0.8, 0.3, 0.1]), label) == 1.0
+    assert auc(torch.tensor([0.1, 0.3, 0.8, 0.9]), label) == 0.0
+    assert auc(torch.full((4,), 0.5), label) == 0.5
+    seq, y = torch.zeros(4, dtype=torch.long), torch.tensor([1.0, 0.0, 1.0, 1.0])
+    # a = .3: every chain stops after one token, which is accepted where the label is 1
+    assert replay_stops(torch.full((4,), 0.3), y, seq, 0.5) == {"tokens_per_step": 1.75, "drafted_per_step": 1.0}
+    # a = .99: chains run to the sequence's end: drafted 4, 3, 2, 1; accepted runs 1, 0, 2, 1
+    assert replay_stops(torch.full((4,), 0.99), y, seq, 0.5) == {"tokens_per_step": 2.0, "drafted_per_step": 2.5}
+    pairs = AcceptancePairs(torch.zeros(40, 4), torch.ones(40), seq=torch.arange(40) // 4)
+    train, held = held_out_split(pairs, 0.2)
+    assert len(held) == 8 and not set(pairs.seq[train].tolist()) & set(pairs.seq[held].tolist())
+
+
+def test_shipped_acceptance_head_is_used_for_its_pair_only(tmp_path, monkeypatch):
+    """A head filed for (target, draft) is found for that draft, keeps greedy output equal to plain
+    decoding, and is not used for another draft or target (the stand-in warns instead)."""
+    target, draft = tiny_llama(), tiny_llama(seed=7, layers=1, logit_scale=15.0)
+    monkeypatch.setattr(acceptance_heads, "SHIPPED", tmp_path)
+    monkeypatch.setattr(acceptance_heads, "target_key", lambda m: "tiny" if m is target else "other")
+    path = save_acceptance_head(tmp_path / "tiny" / "acceptance-d7.safetensors", constant_head(64, 0.85),
+                                {"target": "tiny", "draft_fingerprint": draft_fingerprint(draft)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        drafter = DRAFTERS["specdecpp"].factory(draft_model=draft, target=target, draft_head=None, stop=0.5)
+        standin = SpecDecPPDrafter(draft, target=target, head="calibrated")
+    assert drafter.head_file == path and standin.head is None and standin.stop_risk == 0.7
+    runner = NativeRunner(target)
+    ar, engine = Engine(runner, AutoregressiveDrafter(), eos_token_ids=[]), Engine(runner, drafter, eos_token_ids=[])
+    for prompt in _prompts(6, 4):
+        assert engine.generate(prompt, NEW).tokens == ar.generate(prompt, NEW).tokens
+    assert drafter.predicted == pytest.approx([0.85] * len(drafter.predicted), rel=1e-5) and drafter.predicted
+    for other_draft, other_target in ((tiny_llama(seed=8, layers=1), target), (tiny_llama(seed=7, layers=2), target),
+                                      (draft, tiny_llama(seed=3))):
+        with pytest.warns(UserWarning, match="without an acceptance head"):
+            assert SpecDecPPDrafter(other_draft, target=other_target).head is None
+    with pytest.warns(UserWarning, match="trained for another draft"):
+        SpecDecPPDrafter(tiny_llama(seed=8, layers=1), head=path)
+
+
+def test_the_shipped_smollm2_acceptance_head_records_its_pair():
+    """The head shipped for the packaged SmolLM2 names its target and its draft (the first 24 of 30
+    layers) and records held-out numbers for it and the calibrated stand-in."""
+    path = acceptance_heads.SHIPPED / "SmolLM2-135M-Instruct.Q4_1" / "acceptance-first24.safetensors"
+    _, meta = load_acceptance_head(path, 576)
+    assert meta["target"] == "SmolLM2-135M-Instruct.Q4_1" and meta["draft"] == "first:24"
+    assert meta["draft_fingerprint"]["layers"] == 24 and meta["draft_fingerprint"]["hidden"] == 576
+    assert meta["head_auc"] > meta["standin_auc"]
+    assert path.stat().st_size < 400_000
+
+
+@pytest.mark.slow
+def test_shipped_acceptance_head_on_the_packaged_smollm2(smollm2_gguf):
+    """On the default model as users run it, the shipped head is picked for the first-24-layers
+    draft (not for a 23-layer one) and greedy output still equals plain decoding."""
+    from speculum.prompts import encode_prompt
+    from speculum.train.acceptance import first_layers
+
+    model, tok = smollm2_gguf
+    draft = first_layers("default", 24, tok)
+    drafter = SpecDecPPDrafter(draft, target=model)
+    assert drafter.head_file is not None and drafter.head_file.name == "acceptance-first24.safetensors"
+    with pytest.warns(UserWarning, match="without an acceptance head"):
+        assert SpecDecPPDrafter(first_layers("default", 23, tok), target=model).head is None
+    ids = encode_prompt(tok, "Explain in two sentences why the sky is blue.")
+    runner = NativeRunner(model)
+    want = Engine(runner, AutoregressiveDrafter(), tok).generate(ids, 24).tokens
+    assert Engine(runner, drafter, tok).generate(ids, 24).tokens == want
 
 
 # --- sampled draft-model trees ----------------------------------------------------------------------

@@ -373,8 +373,6 @@ def build_method(name: str, model, tokenizer, draft_model=None, draft_tokenizer=
     if entry.takes_tokenizers:
         options["target_tokenizer"], options["draft_tokenizer"] = tokenizer, draft_tokenizer
     draft_head = options.pop("draft_head", None)
-    if entry.reads_head and draft_head is not None:
-        options["draft_head"] = draft_head
     if entry.needs_target:
         options["target"], options["draft_head"] = model, draft_head
     if entry.remembers_arms:

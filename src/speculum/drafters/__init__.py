@@ -54,8 +54,7 @@ class DrafterEntry:
     ``scored``: its trees carry acceptance scores, so the engine sizes them to the hardware's cost
     curve (:class:`~speculum.tree_sizing.TreeSizer`); ``max_tree``: the engine's budget of drafted
     nodes per step; ``remembers_arms``: it takes ``memory_key=``, the runner's calibration key, under
-    which it remembers the arms that did not pay (:mod:`~speculum.drafters.arm_memory`);
-    ``reads_head``: it takes ``draft_head=`` (the ``--draft-head`` files) without the target.
+    which it remembers the arms that did not pay (:mod:`~speculum.drafters.arm_memory`).
     """
 
     factory: Callable[..., Drafter]
@@ -66,7 +65,6 @@ class DrafterEntry:
     takes_tokenizers: bool = False
     max_tree: int = 64
     remembers_arms: bool = False
-    reads_head: bool = False
 
 
 # the self-drafters ``auto_self`` adds as arms (swift is left out: its layer search costs steps and
@@ -138,8 +136,8 @@ DRAFTERS: dict[str, DrafterEntry] = {
                          "probability falls below a fallback threshold; exact verification (rollback=0)",
                          needs_draft_model=True),
     "specdecpp": DrafterEntry(SpecDecPPDrafter, "SpecDec++: a draft model's chain stopped by a trained acceptance "
-                              "head (head=PATH or --draft-head) once P(a rejection) > h", needs_draft_model=True,
-                              reads_head=True),
+                              "head (head=PATH, --draft-head or the one shipped for the target and draft) once "
+                              "P(a rejection) > h", needs_draft_model=True, needs_target=True),
     "cross_vocab": DrafterEntry(CrossVocabDrafter, "a smaller model with another tokenizer drafts chains through "
                                 "text, re-tokenized both ways (SLEM, OmniDraft)", needs_draft_model=True,
                                 takes_tokenizers=True),

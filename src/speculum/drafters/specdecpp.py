@@ -17,10 +17,15 @@ Example (``h=0.5``): predicted a = .9, .8, .7 -> P(a rejection) = .1, .28, .496:
 token; if its a = .9 -> .55 > .5: stop with four tokens.
 
 Defaults: ``stop=0.7`` (the paper sweeps h over (0, 1); the best value depends on the models and
-the cost of a target step against a draft step, so it is an option); ``max_draft=8``. The head's
-file is ``head=PATH`` (or ``--draft-head PATH``), trained by ``python -m speculum.train.acceptance``;
-without a head the draft's own probability, calibrated online, stands in for the head's
-prediction (``draft_model``'s ``stop_risk``), with a warning.
+the cost of a target step against a draft step, so it is an option); ``max_draft=8``.
+
+The head: ``head=PATH`` (or ``--draft-head PATH``), trained by ``python -m speculum.train.acceptance``
+for one (target, draft) pair. Without one, the head shipped for the pair, if any
+(:func:`~speculum.heads.acceptance.shipped_acceptance_head`: for the packaged SmolLM2, its first 24
+layers as the draft, ``benchmarks/truncated_copy.py --layers 24``); a head shipped for another draft
+is never used. Where there is none, the draft's own probability, calibrated online, stands in for
+the head's prediction (``draft_model``'s ``stop_risk``), with a warning; ``head="calibrated"``
+asks for that stand-in without the warning. A given head whose file records another draft warns.
 """
 
 from __future__ import annotations
@@ -33,7 +38,13 @@ from pathlib import Path
 import torch
 
 from ..errors import SpeculumError
-from ..heads.acceptance import AcceptanceHead, load_acceptance_head
+from ..heads.acceptance import (
+    AcceptanceHead,
+    load_acceptance_head,
+    read_acceptance_meta,
+    same_draft,
+    shipped_acceptance_head,
+)
 from ..tree import DraftTree
 from .draft_model import DraftModelDrafter
 
@@ -60,17 +71,27 @@ class SpecDecPPDrafter(DraftModelDrafter):
 
     def __init__(self, draft_model: torch.nn.Module, head: AcceptanceHead | str | Path | None = None,
                  draft_head: Sequence[str | Path] | str | Path | None = None, stop: float = 0.7,
-                 max_draft: int = 8):
+                 max_draft: int = 8, target: torch.nn.Module | None = None):
         stop = float(stop)
         if not 0.0 < stop < 1.0:
             raise SpeculumError(f"specdecpp's stop threshold h is a probability in (0, 1); got {stop}")
+        given = head if head is not None else _first(draft_head)
+        calibrated = isinstance(given, str) and given == "calibrated"
+        # read before the draft's runner is built (it may release the draft's layer weights)
+        if given is None and target is not None:
+            given = shipped_acceptance_head(target, draft_model)
+        elif isinstance(given, str | Path) and not calibrated:
+            _warn_if_other_draft(Path(given).expanduser(), draft_model)
         super().__init__(draft_model, num_draft=int(max_draft), adaptive=False)
         self.stop = stop
-        self.head = self._load(head if head is not None else _first(draft_head))
+        self.head_file = Path(given) if isinstance(given, str | Path) and not calibrated else None
+        self.head = None if calibrated else self._load(given)
         if self.head is None:  # the head-free stand-in: draft_model's calibrated probability, same rule
-            warnings.warn("specdecpp without an acceptance head (head=PATH or --draft-head): the draft's "
-                          "calibrated probability stands in for it (train one: python -m speculum.train.acceptance)",
-                          stacklevel=2)
+            if not calibrated:
+                warnings.warn("specdecpp without an acceptance head for this draft (none given with head=PATH or "
+                              "--draft-head, none shipped for this target and draft): the draft's calibrated "
+                              "probability stands in for it (train one: python -m speculum.train.acceptance)",
+                              stacklevel=2)
             self.stop_risk = stop
         self.layer = self.runner.num_layers  # the final norm's output
         self.predicted: list[float] = []  # this step's a_i, for inspection
@@ -97,8 +118,17 @@ class SpecDecPPDrafter(DraftModelDrafter):
     def _stops_after(self, probs: torch.Tensor, token: int) -> bool:
         if self.head is None:
             return super()._stops_after(probs, token)
-        self.predicted.append(float(self.head.accept_prob(self.hidden)))
+        self.predicted.append(float(self.head.accept_prob(self.hidden, probs[token])))
         return rejection_risk(self.predicted) > self.stop
+
+
+def _warn_if_other_draft(path: Path, draft_model: torch.nn.Module) -> None:
+    """Warn when the head file at ``path`` records a draft other than ``draft_model``."""
+    recorded = read_acceptance_meta(path).get("draft_fingerprint") if path.is_file() else None
+    if recorded and not same_draft(recorded, draft_model):
+        warnings.warn(f"acceptance head {path.name} was trained for another draft model "
+                      f"({recorded.get('layers')} layers, hidden size {recorded.get('hidden')}): its predictions "
+                      "may not fit this one", stacklevel=3)
 
 
 def _first(files: Sequence[str | Path] | str | Path | None) -> str | Path | None:
