@@ -5,8 +5,6 @@
 - ``gear_attend``: ``quant_attend`` over GEAR's store (:class:`~speculum.cache.gear.GearKVCache`), each
   piece's scores and value sums corrected by its low-rank terms and outliers in the same pass
   (``gear_kernels.h``);
-- ``quant_logits`` and ``quant_value_sums``: its two halves over the store alone (the logits from the
-  key codes; given probabilities, the value sums from the value codes);
 - ``zip_attend``: over ZipCache's mixed-precision store (:class:`~speculum.cache.mixed.MixedKVCache`), each
   chunk's two precisions read from their codes where they are stored (``zip_kernels.h``), and the window;
 - ``slot_attend``: over chosen slots of a float cache (:meth:`~speculum.cache.PositionedKVCache.attend_slots`),

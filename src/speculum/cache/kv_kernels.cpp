@@ -757,7 +757,7 @@ torch::Tensor run(Problem& p, const torch::Tensor& q, double scale) {
 }
 
 // Every piece's logits (piece_scores, then piece_logits' cap and mask) written out rather than attended:
-// float32 [H_kv, R, L], rows folded. (quant_logits and slot_scores.)
+// float32 [H_kv, R, L], rows folded. (slot_scores.)
 torch::Tensor logits_table(Problem& p, const torch::Tensor& q, double scale) {
   const torch::Tensor folded = prepare(p, q, scale);  // p reads the folded queries: kept alive to the end
   const int64_t ntask = static_cast<int64_t>(p.tasks.size()) - 1, R = p.R, L = p.L, Hkv = p.Hkv;
@@ -873,80 +873,6 @@ torch::Tensor quant_attend(torch::Tensor q, torch::Tensor kcodes, torch::Tensor 
   add_pieces(p, 0, 0, rk.size(1), SUB);
   TORCH_CHECK(p.Lm <= p.L, "the mask has more columns than there are keys");
   return run(p, q, scale);
-}
-
-// The two halves of quant_attend's read of the quantized slots, for a store whose entries are the codes plus
-// corrections that enter the logits and the value sums (GEAR: a low-rank term and sparse outliers): the
-// caller adds its terms to the logits, takes the softmax over every column, and adds its terms to the sums.
-
-// Logits q . k (scaled; no soft cap, no mask) of q [n, H, d] over the quantized slots start .. tq - 1 (tq >
-// start), the keys read from their codes; operands as quant_attend's. -> float32 [H_kv, g n, tq - start],
-// rows folded (row j n + i: query i, head j of the KV head's group).
-torch::Tensor quant_logits(torch::Tensor q, torch::Tensor kcodes, torch::Tensor klo, torch::Tensor kstep,
-                           torch::Tensor vcodes, torch::Tensor vlo, torch::Tensor vstep, int64_t bits, int64_t start,
-                           int64_t tq, double scale) {
-  const int64_t Hkv = kcodes.size(0), d = q.size(-1);
-  Problem p = make_problem(q, Hkv, torch::empty({0}, torch::kBool));
-  p.dtype = torch::kFloat32;
-  p.softcap = 0.0f;
-  TORCH_CHECK(tq > start, "no quantized slots to score");
-  p.quant = quant_of(kcodes, klo, kstep, vcodes, vlo, vstep, bits, start, tq, Hkv, d);
-  add_quant_pieces(p, start, tq);
-  return logits_table(p, q, scale);
-}
-
-// Value sums sum_t probs[h, r, t] v_t over the quantized slots start .. tq - 1 (tq > start), the values read
-// from their codes: probs float32 [H_kv, R, tq - start] (any R rows, e.g. folded), operands as quant_attend's.
-// -> float32 [H_kv, R, d].
-torch::Tensor quant_value_sums(torch::Tensor probs, torch::Tensor kcodes, torch::Tensor klo, torch::Tensor kstep,
-                           torch::Tensor vcodes, torch::Tensor vlo, torch::Tensor vstep, int64_t bits, int64_t start,
-                           int64_t tq) {
-  check_cpu(probs, "probs");
-  TORCH_CHECK(tq > start, "no quantized slots to read");
-  TORCH_CHECK(probs.scalar_type() == torch::kFloat32 && probs.dim() == 3 && probs.size(2) == tq - start,
-              "probs must be float32 [H_kv, R, tq - start]");
-  const int64_t Hkv = probs.size(0), R = probs.size(1), d = vcodes.size(2) * (8 / std::max<int64_t>(1, bits));
-  const torch::Tensor P = probs.contiguous();
-  Problem p{};
-  p.n = R, p.g = 1, p.R = R, p.d = d, p.Hkv = Hkv;
-  p.mask = nullptr, p.Hm = 1, p.Lm = 0, p.L = 0;
-  p.dtype = torch::kFloat32;
-  p.quant = quant_of(kcodes, klo, kstep, vcodes, vlo, vstep, bits, start, tq, Hkv, d);
-  TORCH_CHECK(d % VW == 0, "the head dim must be a multiple of ", VW);
-  add_quant_pieces(p, start, tq);
-  cut_tasks(p);
-  p.sp = 0;
-  for (const Piece& pc : p.pieces) p.sp = std::max(p.sp, (pc.len + VW - 1) / VW * VW + VW);
-  const int64_t ntask = static_cast<int64_t>(p.tasks.size()) - 1, L = p.L;
-  std::vector<float> po(Hkv * ntask * R * d, 0.0f);
-  const float* PP = P.data_ptr<float>();
-  at::parallel_for(0, Hkv * ntask, 1, [&](int64_t begin, int64_t end) {
-    Scratch s(p);
-    std::fill(s.alpha.begin(), s.alpha.end(), 1.0f);  // sums accumulate: nothing rescales
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / ntask, task = item % ntask;
-      float* O = po.data() + item * R * d;
-      for (int64_t i = p.tasks[task]; i < p.tasks[task + 1]; ++i) {
-        const Piece& pc = p.pieces[i];
-        const int64_t padded = (pc.len + VW - 1) / VW * VW;
-        for (int64_t r = 0; r < R; ++r) {
-          float* S = s.S.data() + r * p.sp;
-          std::copy(PP + (h * R + r) * L + pc.col, PP + (h * R + r) * L + pc.col + pc.len, S);
-          std::fill(S + pc.len, S + padded, 0.0f);
-        }
-        piece_values(p, s, h, pc, O);
-      }
-    }
-  });
-  auto out = torch::zeros({Hkv, R, d}, probs.options());
-  float* Y = out.data_ptr<float>();
-  for (int64_t h = 0; h < Hkv; ++h)  // the tasks' sums, in task order
-    for (int64_t t = 0; t < ntask; ++t) {
-      const float* o = po.data() + (h * ntask + t) * R * d;
-      float* y = Y + h * R * d;
-      for (int64_t x = 0; x < R * d; ++x) y[x] += o[x];
-    }
-  return out;
 }
 
 // Attention of q [n, H, d] over chosen slots of one layer's float cache k, v [H_kv, C, d] read in place:
@@ -1188,8 +1114,6 @@ std::string isa() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_attend", &quant_attend, "attention over a KIVI packed low-bit store and its float residual window");
-  m.def("quant_logits", &quant_logits, "logits over a KIVI packed low-bit store, keys read from their codes");
-  m.def("quant_value_sums", &quant_value_sums, "probability-weighted value sums over a KIVI packed store, read from the codes");
   m.def("slot_attend", &slot_attend, "attention over chosen slots of a float cache, read in place, and the new entries");
   m.def("slot_scores", &slot_scores, "attention logits over chosen or all slots of a float cache, read in place");
   m.def("gear_attend", &gear_attend, "attention over GEAR's store: KIVI's codes, low-rank terms and outliers in one pass");
