@@ -26,6 +26,7 @@ from speculum.errors import SpeculumError
 from speculum.heads import load_head
 from speculum.methods import build_method
 from speculum.runners import NativeRunner
+from speculum.train import DraftTraining, train_config
 from speculum.train.distill import Sample, generate_batched
 from speculum.train.kangaroo import KangarooTrainer
 from speculum.train.medusa import HydraTrainer, MedusaTrainer, Positions
@@ -100,6 +101,13 @@ def test_a_head_of_another_kind_is_refused(tmp_path):
     both = (str(eagle), str(medusa))
     assert build_method("medusa", model, None, draft_head=both).engine.drafter.path == medusa
     assert build_method("eagle", model, None, draft_head=both).engine.drafter.path == eagle
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "clover", "ppd"])
+def test_train_draft_heads_option_sets_the_draft_depth(kind):
+    """``train-draft --heads 3`` trains and evaluates 3 depths for every kind with one head per depth."""
+    cfg = train_config(DraftTraining.for_kind(kind, heads=3))
+    assert (cfg.num_heads, cfg.eval_depths) == (3, 3)
 
 
 def test_positions_label_the_tokens_after_each_feature():

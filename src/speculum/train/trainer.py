@@ -47,7 +47,7 @@ class TrainConfig:
     checkpoint_every: int = 50  # optimiser steps
     eval_depths: int = 4
     seed: int = 0
-    num_heads: int = 4  # medusa / hydra: heads; ppd: prompt tokens (draft depths)
+    num_heads: int = 4  # medusa / hydra / clover: heads; ppd: prompt tokens (draft depths)
     exit_layer: int = 2  # kangaroo: the target layers the draft runs
     ensemble: int = 1  # ppd: embeddings per prompt position
 
