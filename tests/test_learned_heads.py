@@ -26,6 +26,7 @@ from speculum.errors import SpeculumError
 from speculum.heads import load_head
 from speculum.methods import build_method
 from speculum.runners import NativeRunner
+from speculum.train import DraftTraining, train_config
 from speculum.train.distill import Sample, generate_batched
 from speculum.train.kangaroo import KangarooTrainer
 from speculum.train.medusa import HydraTrainer, MedusaTrainer, Positions
@@ -100,6 +101,31 @@ def test_a_head_of_another_kind_is_refused(tmp_path):
     both = (str(eagle), str(medusa))
     assert build_method("medusa", model, None, draft_head=both).engine.drafter.path == medusa
     assert build_method("eagle", model, None, draft_head=both).engine.drafter.path == eagle
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "clover", "ppd"])
+def test_train_draft_heads_option_sets_the_draft_depth(kind):
+    """``train-draft --heads 3`` trains and evaluates 3 depths for every kind with one head per depth."""
+    cfg = train_config(DraftTraining.for_kind(kind, heads=3))
+    assert (cfg.num_heads, cfg.eval_depths) == (3, 3)
+
+
+def test_heads_train_on_a_model_with_quantized_weights(tmp_path):
+    """A quantized model (GGUF, int8) leaves its LM-head parameter on the meta device: the head
+    trains on the CPU all the same (it was moved to meta, and the first step failed)."""
+    from speculum.train.clover import CloverTrainer
+    from speculum.weights.quantize_model import quantize_model
+
+    model = tiny_llama()
+    quantize_model(model, "int8")
+    assert model.get_output_embeddings().weight.device.type == "meta"
+    gen = torch.Generator().manual_seed(0)
+    dim = model.config.hidden_size
+    samples = [Sample(list(range(3 + i, 23 + i)), 6, "tiny", torch.randn(19, dim, generator=gen)) for i in range(4)]
+    cfg = TrainConfig(epochs=1, batch_pairs=64, vocab=0, checkpoint_every=10_000, eval_depths=2, num_heads=2)
+    trainer = CloverTrainer(model, samples, tmp_path, cfg, progress=False)
+    trainer.run()
+    assert trainer.device.type == "cpu" and trainer.history.steps
 
 
 def test_positions_label_the_tokens_after_each_feature():

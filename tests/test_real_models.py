@@ -40,7 +40,8 @@ PROMPTS = [
 SPECULATIVE_PROMPTS = [PROMPTS[i] for i in (0, 4, 5)]  # summary, repetition, long context
 NEW = 64
 SPECULATIVE = ("ngram", "ngram_tree", "suffix", "recycling", "mix", "auto")
-LEARNED = ("eagle", "medusa", "hydra", "kangaroo", "ppd")
+LEARNED = ("eagle", "medusa", "hydra", "kangaroo", "ppd")  # heads shipped for both packaged models
+SMOLLM2_LEARNED = LEARNED + ("clover",)  # clover's ships for SmolLM2 only
 LEARNED_PROMPTS = [PROMPTS[i] for i in (0, 5)]  # summary and long context: where model-drafters run
 
 
@@ -83,9 +84,9 @@ def _check_methods(model, tok, chat, draft=None, cross_check=True, draft_head=No
 def test_smollm2_float32_lossless(smollm2_f32):
     """Every method, the learned ones and ``auto`` with speculum's shipped heads for this model."""
     model, tok = smollm2_f32
-    assert all(find_head(model, kind) is not None for kind in LEARNED)
+    assert all(find_head(model, kind) is not None for kind in SMOLLM2_LEARNED)
     _check_methods(model, tok, chat=True, draft=model,  # self-drafting exercises the draft cache sync
-                   cost_model=SMOLLM2_F32_COST)
+                   learned=SMOLLM2_LEARNED, cost_model=SMOLLM2_F32_COST)
 
 
 # a forward whose cost does not grow with its size: the sizer keeps every scored node drafted
@@ -100,7 +101,7 @@ def test_smollm2_every_drafter_drafts(smollm2_f32):
     runner = runner_for(model)
     prompts = [encode_prompt(tok, prompt, chat=True) for prompt in PROMPTS[-1:]]
     refs = [build_method("ar", model, tok, runner=runner).run(ids, NEW).tokens for ids in prompts]
-    for name in SPECULATIVE + LEARNED:
+    for name in SPECULATIVE + SMOLLM2_LEARNED:
         method = build_method(name, model, tok, runner=runner, cost_model=FLAT_COST)
         accepted = 0.0
         for ids, ref in zip(prompts, refs):
@@ -222,7 +223,7 @@ def test_smollm2_streaming_runs_three_contexts(smollm2_f32, monkeypatch):
 
 # the methods on the default model's own quantized weights (what speculum.load gives by default):
 # every drafter family against plain greedy decoding of the same weights
-GGUF_METHODS = SPECULATIVE + LEARNED + ("swift", "quant_self", "lookahead", "kv_draft")
+GGUF_METHODS = SPECULATIVE + SMOLLM2_LEARNED + ("swift", "quant_self", "lookahead", "kv_draft")
 
 
 def _check_gguf(model, tok, prompts, chat, names, new=48, draft=None):

@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
     t.add_argument("--max-new-tokens", type=int, default=256, help="response length cap (default: %(default)s)")
     t.add_argument("--batch", type=int, default=16, help="requests answered at once (default: %(default)s)")
     t.add_argument("--dtype", default="auto", help="the model's dtype while it answers: " + DTYPE_HELP)
-    t.add_argument("--epochs", type=int, default=None, help="passes over the data (default: eagle 10, medusa and hydra 4, kangaroo 5, ppd 1)")
+    t.add_argument("--epochs", type=int, default=None, help="passes over the data (default: eagle 10, medusa, hydra and clover 4, kangaroo 5, ppd 1)")
     t.add_argument("--vocab", type=int, default=None,
                    help="draft vocabulary: the N most frequent response tokens (FR-Spec); 0 = the whole "
                         "vocabulary (default: 8192; ppd drafts through the target's own LM head: 0)")
@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
     t.add_argument("--unroll", type=int, default=2,
                    help="training passes on the head's own predicted features (default: %(default)s)")
     t.add_argument("--heads", type=int, default=None,
-                   help="medusa / hydra: heads, ppd: prompt tokens, i.e. the draft depth (default: 4; ppd 3)")
+                   help="medusa / hydra / clover: heads, ppd: prompt tokens, i.e. the draft depth (default: 4; ppd 3)")
     t.add_argument("--ensemble", type=int, default=None,
                    help="ppd: embeddings per prompt position, their logits averaged (EPT; default: 1)")
     t.add_argument("--max-samples", type=int, default=None,

@@ -66,7 +66,8 @@ LEARNED: dict[str, LearnedKind] = {
                          "speculum.train.medusa:HydraTrainer", {"epochs": 4}),
     "clover": LearnedKind(CloverConfig, CloverHeads, "speculum.drafters.clover:CloverDrafter",
                           "trained Clover heads (a regressive attention decoder over the context), dynamic tree",
-                          "speculum.train.clover:CloverTrainer", {"epochs": 4}),
+                          # not an auto arm: the shipped head is undertrained (docs/heads.md)
+                          "speculum.train.clover:CloverTrainer", {"epochs": 4}, auto=False),
     "kangaroo": LearnedKind(KangarooConfig, KangarooAdapter, "speculum.drafters.kangaroo:KangarooDrafter",
                             "the target's first layers and a trained adapter draft chains with early exit "
                             "(Kangaroo)", "speculum.train.kangaroo:KangarooTrainer", {"epochs": 5}),

@@ -7,7 +7,7 @@ Three stages, each resumable (an interrupted run picks up where it stopped, from
 2. data (:mod:`speculum.train.distill`): the model answers them, batched, keeping its features;
 3. training (the kind's trainer, named in :data:`~speculum.heads.kinds.LEARNED`:
    :mod:`speculum.train.eagle`, :mod:`speculum.train.medusa` for ``medusa`` and ``hydra``,
-   :mod:`speculum.train.kangaroo`, :mod:`speculum.train.ppd`): the head, checkpointed; then
+   :mod:`speculum.train.clover`, :mod:`speculum.train.kangaroo`, :mod:`speculum.train.ppd`): the head, checkpointed; then
    ``<kind>.safetensors``, ``report.json`` and ``loss.png``.
 """
 
@@ -44,7 +44,7 @@ class DraftTraining:
     vocab: int = 8192
     lr: float = 1e-3
     unroll: int = 2
-    heads: int = 4  # medusa / hydra: heads; ppd: prompt tokens (draft depths)
+    heads: int = 4  # medusa / hydra / clover: heads; ppd: prompt tokens (draft depths)
     exit_layer: int = 2  # kangaroo: the target layers its draft runs
     ensemble: int = 1  # ppd: embeddings per prompt position (EPT)
     max_samples: int = 0  # train on at most this many samples (0: all)
@@ -91,6 +91,22 @@ def _check_settings(path: Path, settings: dict, what: str) -> None:
     path.write_text(json.dumps(settings, indent=1))
 
 
+def train_config(job: DraftTraining):
+    """The trainer's :class:`~speculum.train.trainer.TrainConfig` for ``job``: ``--heads`` sets the
+    draft depth of the kinds with one head per depth (medusa, hydra, clover) and ppd's prompt tokens."""
+    from .trainer import TrainConfig
+
+    cfg = TrainConfig(epochs=job.epochs, lr=job.lr, vocab=job.vocab, unroll=job.unroll, seed=job.seed,
+                      layout=job.layout)
+    if job.kind in ("medusa", "hydra", "clover", "ppd"):
+        cfg.num_heads = cfg.eval_depths = job.heads
+    if job.kind == "kangaroo":
+        cfg.exit_layer, cfg.eval_depths = job.exit_layer, 1
+    if job.kind == "ppd":
+        cfg.ensemble, cfg.vocab, cfg.max_len = job.ensemble, 0, 512
+    return cfg
+
+
 def train_draft(job: DraftTraining, progress: bool = True) -> dict:
     """Run the three stages; returns the final report's summary.
 
@@ -102,7 +118,7 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
     from ..loading import load
     from .distill import load_samples, self_distill
     from .prompts import training_prompts
-    from .trainer import TrainConfig, write_report
+    from .trainer import write_report
 
     if job.kind not in trainable():
         raise SpeculumError(f"train-draft --kind {job.kind}: only {', '.join(trainable())} can be trained so far")
@@ -136,14 +152,7 @@ def train_draft(job: DraftTraining, progress: bool = True) -> dict:
     if job.max_samples:
         samples = samples[:job.max_samples]
     torch.manual_seed(job.seed)
-    cfg = TrainConfig(epochs=job.epochs, lr=job.lr, vocab=job.vocab, unroll=job.unroll, seed=job.seed,
-                      layout=job.layout)
-    if job.kind in ("medusa", "hydra", "ppd"):
-        cfg.num_heads = cfg.eval_depths = job.heads
-    if job.kind == "kangaroo":
-        cfg.exit_layer, cfg.eval_depths = job.exit_layer, 1
-    if job.kind == "ppd":
-        cfg.ensemble, cfg.vocab, cfg.max_len = job.ensemble, 0, 512
+    cfg = train_config(job)
     trainer = LEARNED[job.kind].trainer_class()(model, samples, run_dir, cfg, progress)
     trainer.run()
     t_all = time.time() - t0

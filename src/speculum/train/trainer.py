@@ -27,6 +27,7 @@ from torch import nn
 from ..figures import save, subplots
 from ..heads import TargetTables, save_head
 from ..models import cpu_runs_bfloat16
+from ..weights import model_device
 from .distill import Sample
 
 
@@ -47,7 +48,7 @@ class TrainConfig:
     checkpoint_every: int = 50  # optimiser steps
     eval_depths: int = 4
     seed: int = 0
-    num_heads: int = 4  # medusa / hydra: heads; ppd: prompt tokens (draft depths)
+    num_heads: int = 4  # medusa / hydra / clover: heads; ppd: prompt tokens (draft depths)
     exit_layer: int = 2  # kangaroo: the target layers the draft runs
     ensemble: int = 1  # ppd: embeddings per prompt position
 
@@ -122,12 +123,12 @@ class HeadTrainer:
         rng.shuffle(samples)
         n_val = max(1, int(len(samples) * cfg.val_share)) if len(samples) > 1 else 0
         self.val, self.train = samples[:n_val], samples[n_val:]
-        weight = model.get_output_embeddings().weight
-        self.width = width = weight.shape[0]
-        self.device = weight.device  # train where the model is (a GPU, where there is one)
-        self.bf16_logits = self.device.type == "cuda" or cpu_runs_bfloat16()
+        self.width = width = model.get_output_embeddings().weight.shape[0]
         self.vocab, self.coverage = draft_vocab(self.train, cfg.vocab, width)
         self.tables = TargetTables.of(model, self.vocab, torch.float32)
+        # train where the model is (a GPU, where there is one; a quantized model's meta tensors aside)
+        self.device = model_device(model)
+        self.bf16_logits = self.device.type == "cuda" or cpu_runs_bfloat16()
         # index of each token in the draft vocabulary (-1 outside it)
         self.slot = torch.arange(width)
         if self.vocab is not None:
