@@ -1,10 +1,10 @@
-"""PEARL (post-verify: the draft drafts the next chunk in a thread while the target verifies) against
+"""PEARL (pre- and post-verify: the draft drafts in a thread while the target verifies) against
 sequential drafting with the same draft model, on this CPU.
 
 The target is the packaged SmolLM2-135M-Instruct in float32, or with ``--weights gguf`` on its GGUF
 weights through speculum's kernels (torch's operators and the kernels both release the GIL, so the
-draft's thread runs beside the target's forward). The draft is the target's first ``--layers`` layers with its final norm and LM head (no
-training), or ``--draft-model``. Methods, run interleaved per prompt after one warm-up generation:
+draft's thread runs beside the target's forward). The draft is the target's first ``--layers`` layers
+(on the same weights) with its final norm and LM head (no training), or ``--draft-model``. Methods, run interleaved per prompt after one warm-up generation:
 
 - ``ar``: plain decoding (the reference for the ratio).
 - ``sequential``: the same drafter with ``post_verify=False`` (same chunk length rule), at
@@ -66,16 +66,14 @@ def main() -> None:
     ap.add_argument("--seq-threads", type=int, default=2, help="torch threads while ar / sequential run")
     ap.add_argument("--gamma", type=int, default=None, help="fixed chunk length (default: adaptive)")
     ap.add_argument("--weights", choices=["float", "gguf"], default="float",
-                    help="the target's weights: float32 (default) or its GGUF weights kept quantized (the draft "
-                         "stays float32)")
+                    help="the target's weights, and the first-layers draft's: float32 (default) or the GGUF "
+                         "weights kept quantized")
     ap.add_argument("--data", default=str(DATA))
     args = ap.parse_args()
 
-    model, tok = load("default", dtype="float32", weights="float")
+    model, tok = load("default", dtype="float32", weights=args.weights)
     draft = load(args.draft_model, dtype="float32", weights="float")[0] if args.draft_model \
         else first_layers(model, args.layers)
-    if args.weights == "gguf":
-        model = load("default", dtype="float32", tokenizer=tok)[0]
     runner = runner_for(model)
     prompts = load_prompts(args.data, per_task=1)[:args.prompts]
     ids = [encode_prompt(tok, p.text) for p in prompts]
