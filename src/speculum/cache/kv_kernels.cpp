@@ -856,10 +856,11 @@ static void add_quant_pieces(Problem& p, int64_t start, int64_t tq) {
 // those tq - start + Lr columns; softcap 0 for none. The quantized operands are the layer's: kcodes
 // [H_kv, T/G, d, G b/8], klo, kstep [H_kv, T/G, d], vcodes [H_kv, T, d b/8], vlo, vstep [H_kv, d/Gc, T]
 // (float16, contiguous). -> [n, H d] in q's dtype.
-torch::Tensor quant_attend(torch::Tensor q, torch::Tensor kcodes, torch::Tensor klo, torch::Tensor kstep,
-                           torch::Tensor vcodes, torch::Tensor vlo, torch::Tensor vstep, int64_t bits, int64_t start,
-                           int64_t tq, torch::Tensor rk, torch::Tensor rv, torch::Tensor mask, double scale,
-                           double softcap) {
+// quant_attend's problem (the quantized slots' pieces, then the float rows'), for it and gear_attend.
+Problem quant_problem(const torch::Tensor& q, const torch::Tensor& kcodes, const torch::Tensor& klo,
+                      const torch::Tensor& kstep, const torch::Tensor& vcodes, const torch::Tensor& vlo,
+                      const torch::Tensor& vstep, int64_t bits, int64_t start, int64_t tq, const torch::Tensor& rk,
+                      const torch::Tensor& rv, const torch::Tensor& mask, double softcap) {
   const int64_t Hkv = rk.size(0), d = q.size(-1);
   Problem p = make_problem(q, Hkv, mask);
   p.rows.push_back(rows_of(rk, rv, Hkv, d));
@@ -872,6 +873,14 @@ torch::Tensor quant_attend(torch::Tensor q, torch::Tensor kcodes, torch::Tensor 
   }
   add_pieces(p, 0, 0, rk.size(1), SUB);
   TORCH_CHECK(p.Lm <= p.L, "the mask has more columns than there are keys");
+  return p;
+}
+
+torch::Tensor quant_attend(torch::Tensor q, torch::Tensor kcodes, torch::Tensor klo, torch::Tensor kstep,
+                           torch::Tensor vcodes, torch::Tensor vlo, torch::Tensor vstep, int64_t bits, int64_t start,
+                           int64_t tq, torch::Tensor rk, torch::Tensor rv, torch::Tensor mask, double scale,
+                           double softcap) {
+  Problem p = quant_problem(q, kcodes, klo, kstep, vcodes, vlo, vstep, bits, start, tq, rk, rv, mask, softcap);
   return run(p, q, scale);
 }
 
@@ -924,14 +933,8 @@ torch::Tensor gear_attend(torch::Tensor q, torch::Tensor kcodes, torch::Tensor k
                           double softcap, torch::Tensor fa, torch::Tensor fb, torch::Tensor chunk_of, int64_t c0,
                           int64_t c1, torch::Tensor oidx, torch::Tensor obase, torch::Tensor odelta, int64_t K) {
   const int64_t Hkv = rk.size(0), d = q.size(-1);
-  Problem p = make_problem(q, Hkv, mask);
-  p.rows.push_back(rows_of(rk, rv, Hkv, d));
-  p.dtype = rk.scalar_type();
-  p.softcap = static_cast<float>(softcap);
-  p.quant = Quant{};
+  Problem p = quant_problem(q, kcodes, klo, kstep, vcodes, vlo, vstep, bits, start, tq, rk, rv, mask, softcap);
   if (tq > start) {
-    p.quant = quant_of(kcodes, klo, kstep, vcodes, vlo, vstep, bits, start, tq, Hkv, d);
-    add_quant_pieces(p, start, tq);
     for (const auto* t : {&fa, &fb, &chunk_of, &oidx, &obase, &odelta}) {
       check_cpu(*t, "GEAR's terms");
       TORCH_CHECK(t->is_contiguous(), "GEAR's terms must be contiguous");
@@ -977,8 +980,6 @@ torch::Tensor gear_attend(torch::Tensor q, torch::Tensor kcodes, torch::Tensor k
             }
     }
   }
-  add_pieces(p, 0, 0, rk.size(1), SUB);
-  TORCH_CHECK(p.Lm <= p.L, "the mask has more columns than there are keys");
   return run(p, q, scale);
 }
 
