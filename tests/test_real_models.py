@@ -253,10 +253,10 @@ def test_gemma3_gguf_lossless(gemma3_gguf):
 
 
 # the drafting systems added after the table above: model-free (aded, stand), draft models (bild,
-# specdecpp, pearl: the target itself as the draft, so every drafted token is its own and rejections
+# specdecpp, pearl, draft trees: the target itself as the draft, so every drafted token is its own and rejections
 # are left to the tiny models' tests), self-speculation (del, drafting every step) and a head adapting
 # online (medusa_online) -> options
-NEWER_DRAFTERS = {"aded": {}, "stand": {}, "bild": {}, "specdecpp": {}, "pearl": {"gamma": 3},
+NEWER_DRAFTERS = {"aded": {}, "stand": {}, "bild": {}, "specdecpp": {}, "pearl": {"gamma": 3}, "draft_model_tree": {},
                   "del": {"sized": False, "allow_none": False}, "medusa_online": {"sized": False, "every": 2}}
 
 
