@@ -459,21 +459,25 @@ inline void with_dtype(c10::ScalarType t, F&& f) {
 
 // ---- one piece ---------------------------------------------------------------------------------------------
 
+// QS [R, d] = q * step and bias [R] = q . lo for the rows Q [R, d]: a code's score is then QS . code + bias.
+inline void scaled_queries(const float* Q, int64_t R, int64_t d, const c10::Half* lo, const c10::Half* st, Scratch& s) {
+  for (int64_t r = 0; r < R; ++r) {
+    vf b = vzero();
+    for (int64_t c = 0; c < d; c += VW) {
+      const vf qr = vload(Q + r * d + c);
+      vstore(s.QS.data() + r * d + c, vmul(qr, vload(st + c)));
+      b = vfma(qr, vload(lo + c), b);
+    }
+    s.bias[r] = hsum(b);
+  }
+}
+
 void piece_scores(const Problem& p, Scratch& s, int64_t h, const Piece& pc) {
   const int64_t R = p.R, d = p.d, sp = p.sp;
   const float* Q = p.Q + h * R * d;
   if (pc.src <= -2) {
     const ZipPart& z = p.zip[-2 - pc.src];
-    const c10::Half *lo = z.klo + h * d, *st = z.kst + h * d;
-    for (int64_t r = 0; r < R; ++r) {  // QS = q step, bias = q . lo
-      vf b = vzero();
-      for (int64_t c = 0; c < d; c += VW) {
-        const vf qr = vload(Q + r * d + c);
-        vstore(s.QS.data() + r * d + c, vmul(qr, vload(st + c)));
-        b = vfma(qr, vload(lo + c), b);
-      }
-      s.bias[r] = hsum(b);
-    }
+    scaled_queries(Q, R, d, z.klo + h * d, z.kst + h * d, s);
     const uint8_t* kc = z.kc + (h * z.k + pc.a) * z.run.P;
     with_plan(z.run, [&](auto mode, auto k) {
       constexpr int MODE = decltype(mode)::value, K = decltype(k)::value;
@@ -492,16 +496,7 @@ void piece_scores(const Problem& p, Scratch& s, int64_t h, const Piece& pc) {
     const auto* kst = reinterpret_cast<const c10::Half*>(q.kst);
     for (int64_t g0 = 0; g0 < pc.len; g0 += q.G) {
       const int64_t grp = (pc.a + g0) / q.G;
-      const c10::Half *lo = klo + (h * q.Tg + grp) * d, *st = kst + (h * q.Tg + grp) * d;
-      for (int64_t r = 0; r < R; ++r) {  // QS = q step, bias = q . lo
-        vf b = vzero();
-        for (int64_t c = 0; c < d; c += VW) {
-          const vf qr = vload(Q + r * d + c);
-          vstore(s.QS.data() + r * d + c, vmul(qr, vload(st + c)));
-          b = vfma(qr, vload(lo + c), b);
-        }
-        s.bias[r] = hsum(b);
-      }
+      scaled_queries(Q, R, d, klo + (h * q.Tg + grp) * d, kst + (h * q.Tg + grp) * d, s);
       const uint8_t* kc = q.kc + (h * q.Tg + grp) * d * q.krun.P;
       with_plan(q.krun, [&](auto mode, auto k) {
         constexpr int MODE = decltype(mode)::value, K = decltype(k)::value;
