@@ -18,9 +18,9 @@ paper's window ``gamma`` is the ratio of one target forward's time to one draft 
 Here post-verify runs in a background thread (torch's operators and speculum's GGUF kernels
 release the GIL, so on a CPU the draft takes one core while the target's verification takes the
 other; set ``torch.set_num_threads(1)``, which holds for every thread, so that the two do not
-compete). The
-continuation runs until :meth:`update` says the verification is over (``gamma=None``, the
-paper's adaptive length), or for ``gamma`` tokens (fixed chunks, deterministic). A chunk drafted
+compete). The continuation runs until :meth:`update` says the verification is over
+(``gamma=None``, the paper's adaptive length), or for ``gamma`` tokens (fixed chunks,
+deterministic). A chunk drafted
 after a rejection is drafted in the foreground, ``gamma`` tokens long, where ``gamma=None`` takes
 the measured ratio of verification time to draft-token time (the paper's rule).
 
