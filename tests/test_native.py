@@ -366,3 +366,34 @@ def test_hf_compiled_decodes_as_hf(kind):
     ref = build_method("hf", model, Tokenizer()).run(prompt, 16)
     out = build_method("hf_compiled", model, Tokenizer()).run(prompt, 16)
     assert out.tokens == ref.tokens and len(out.tokens) > 4
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+def test_sliding_layers_skip_keys_a_window_behind(kind, monkeypatch):
+    """Past ``WINDOW_SKIP_MIN`` hidden slots a sliding-window layer reads only the slots from a window
+    behind the step's first row: the logits stay transformers' (to rounding), each sliding layer's read
+    is a window plus the step's rows long, full layers still read everything, and tree speculation
+    under these reads gives plain decoding's greedy tokens (float32)."""
+    import speculum.cache.store as store_mod
+    import speculum.runners.native as native_mod
+
+    monkeypatch.setattr(native_mod, "WINDOW_SKIP_MIN", 1)
+    reads = []  # (sliding, keys read)
+    real_read = store_mod.BufferStore.read
+    monkeypatch.setattr(store_mod.BufferStore, "read",
+                        lambda self, layer, sliding, q: reads.append((sliding, self.keys - (self.window_start if sliding else 0)))
+                        or real_read(self, layer, sliding, q))
+    model = _tiny(kind, seed=2)
+    _compare_steps(model, NativeRunner(model), atol=1e-5)
+    sliding = [n for s, n in reads if s]
+    assert sliding and max(sliding) <= WINDOW - 1 + 3 * WINDOW  # the prompt's one chunk: window + its rows
+    assert max(n for s, n in reads[-8:] if s) <= WINDOW - 1 + 13  # a tree step: window + root and 12 nodes
+    if kind == "gemma3":  # its global layers read the whole cache
+        assert max(n for s, n in reads if not s) > 3 * WINDOW
+    rng = random.Random(6)
+    prompt = [rng.randrange(TINY_VOCAB) for _ in range(3 * WINDOW)]
+    ref = Engine(HFRunner(model), AutoregressiveDrafter()).generate(prompt, 40).tokens
+    native = NativeRunner(model)
+    assert Engine(native, AutoregressiveDrafter()).generate(prompt, 40).tokens == ref
+    drafter = OracleDrafter(prompt + ref, TINY_VOCAB, shape="tree", seed=7)
+    assert Engine(native, drafter).generate(prompt, 40).tokens == ref

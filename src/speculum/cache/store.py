@@ -103,11 +103,18 @@ class BufferStore(StoreBase):
     ``fused``: one copy per layer for keys and values; ``ops``: the compiled layer ops, which write
     and attend row by row (each row computed alone, as a one-token step would), and then
     :attr:`compiled` offers the whole layer as one call.
+
+    ``window_start``: no query of this forward sees a slot below it on a sliding-window layer (its
+    keys lie a window or more behind every query), so those layers read slots ``window_start ..
+    keys-1`` only (the masks' columns alike): a long prompt's chunks attend over a window's keys,
+    not the whole cache. (The compiled ops skip masked slots themselves.)
     """
 
     def __init__(self, kv: torch.Tensor, write: int | torch.Tensor, keys: int, masks: dict[bool, torch.Tensor | None],
-                 layout: AttentionLayout, explicit: bool = False, fused: bool = False, ops=None):
+                 layout: AttentionLayout, explicit: bool = False, fused: bool = False, ops=None,
+                 window_start: int = 0):
         self.kv, self.at, self.keys, self.masks = kv, write, keys, masks
+        self.window_start = window_start
         self.scale, self.softcap = layout.scale, layout.softcap
         self.explicit, self.fused, self.ops = explicit, fused, ops
         if ops is not None:
@@ -117,8 +124,11 @@ class BufferStore(StoreBase):
         put(self.kv[layer], self.at, k, v, self.fused)
 
     def read(self, layer: int, sliding: bool, q: torch.Tensor) -> torch.Tensor:
-        kv = self.kv[layer]
-        return attention(q, kv[0, :, :self.keys], kv[1, :, :self.keys], self.masks[sliding], self.scale, self.softcap,
+        kv, mask = self.kv[layer], self.masks[sliding]
+        lo = self.window_start if sliding else 0
+        if lo and mask is not None:
+            mask = mask[..., lo:]
+        return attention(q, kv[0, :, lo:self.keys], kv[1, :, lo:self.keys], mask, self.scale, self.softcap,
                          self.explicit)
 
     def attend(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

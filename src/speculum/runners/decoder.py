@@ -326,7 +326,7 @@ class NativeDecoder:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, write: int | torch.Tensor,
                 keys: int, masks: dict[bool, torch.Tensor | None], last_only: bool = False,
                 hidden_layers: Sequence[int] = (), floors: RowFloors | None = None,
-                extra_embeds: torch.Tensor | None = None) -> Forward:
+                extra_embeds: torch.Tensor | None = None, window_start: int = 0) -> Forward:
         """Logits for ``n`` new tokens; their keys and values are written into ``kv``.
 
         Args:
@@ -346,6 +346,8 @@ class NativeDecoder:
             floors: the reproducible mode (:mod:`speculum.runners.invariance`): each matrix product over
                 at least its floor's rows, attention by the explicit path whatever the row count.
             extra_embeds: ``[e, D]`` rows given as input embeddings after the ids' (``n`` counts them).
+            window_start: the first slot any query sees on a sliding-window layer (those layers read
+                from it on; see :class:`~speculum.cache.store.BufferStore`).
         Returns :class:`~speculum.runners.base.Forward`: ``[n, V]`` logits (``[1, V]`` with ``last_only``).
         """
         n = ids.shape[0] + (0 if extra_embeds is None else extra_embeds.shape[0])
@@ -362,7 +364,7 @@ class NativeDecoder:
                    and kv.dtype == torch.float32 and kv.is_contiguous()
                    and all(m is None or (m.dim() == 2 and m.is_contiguous()) for m in masks.values()))
         store = BufferStore(kv, write, keys, masks, self.layout, floors is not None, self.fused,
-                            self.ops if rowwise else None)
+                            self.ops if rowwise else None, window_start)
         return self.forward_with(ids, positions, store, last_only, hidden_layers, floors or NO_FLOORS,
                                  extra_embeds=extra_embeds)
 

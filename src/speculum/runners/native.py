@@ -29,6 +29,9 @@ from .decoder import NativeDecoder
 from .invariance import KEY_FLOOR, RowFloors, measure_floors
 
 DEFAULT_GRAPH_CONTEXT = 4096
+# A sliding-window layer skips the slots a window behind a step's first row once there are this many
+# (a long prompt's later chunks, long decodes); below it, it reads them masked, as transformers does.
+WINDOW_SKIP_MIN = 1024
 
 
 class NativeRunner(RunnerBase):
@@ -203,11 +206,24 @@ class NativeRunner(RunnerBase):
         full, sliding = visibility(cache.length, step.positions, step.new_mask, s.sliding_window)
         masks = {False: grouped(full, s.group, self.dtype), True: grouped(sliding, s.group, self.dtype)}
         out = self.decoder.forward(torch.tensor(ids, device=self.device), step.positions, cache.kv, cache.length,
-                                   cache.length + m, masks, last_only, hidden_layers, floors, extra_embeds)
+                                   cache.length + m, masks, last_only, hidden_layers, floors, extra_embeds,
+                                   self._window_start(step) if floors is None else 0)
         cache.pending = m
         if len(ids) > n:  # drop the padding rows
             out = Forward(out.logits[:n], {i: h[:n] for i, h in out.hidden.items()})
         return out
+
+    def _window_start(self, step: Step) -> int:
+        """The first slot a sliding-window layer's queries can see in ``step`` (slot = position in
+        this runner's caches): keys a whole window behind the step's first position are hidden from
+        every row, so those layers skip them. 0 without sliding layers. (Not in the reproducible mode,
+        whose rows must not depend on the step around them. Below :data:`WINDOW_SKIP_MIN` hidden slots
+        the whole span is read, as transformers does, so that short contexts keep its exact logits.)"""
+        window = self.shape.sliding_window
+        if window is None:
+            return 0
+        start = int(step.positions.min()) - window + 1
+        return start if start >= WINDOW_SKIP_MIN else 0
 
     @property
     def prompt_rows(self) -> bool:
