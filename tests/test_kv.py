@@ -112,6 +112,38 @@ def test_layerwise_prefill_bit_identical(tiny):
         assert torch.equal(kv, cache.kv[i, :, :, :70])
 
 
+def test_layerwise_prefill_skips_keys_a_window_behind_as_the_native_runner(monkeypatch):
+    """Gemma-3 (window 8) with the long-context read forced on (``WINDOW_SKIP_MIN`` 1): the sliding
+    layers of both prefills read from a window behind each chunk, and still agree bit for bit; the
+    logits stay those of the whole-span read to rounding."""
+    import speculum.attention as attention_mod
+    from speculum.runners import NativeDecoder
+
+    model = tiny_gemma3(seed=4, window=8)
+    prompt = _prompt(70, seed=2)
+    read = []  # keys each layerwise chunk attends over
+    real = NativeDecoder.attend
+    monkeypatch.setattr(NativeDecoder, "attend", lambda self, q, k, v, mask, *a: read.append(k.shape[1]) or real(self, q, k, v, mask, *a))
+
+    def both():
+        runner = runner_for(model, "native")
+        cache = runner.new_cache(128)
+        for a in range(0, len(prompt), 16):
+            chunk = prompt[a:a + 16]
+            ref = runner._run(cache, chunk, Step(torch.arange(a, a + len(chunk)), None), True, ()).logits
+            cache.commit()
+        logits = prefill_layerwise(runner.decoder, prompt, 16, None, 0, lambda i, s, kv, sc: None)
+        assert torch.equal(logits, ref)
+        return logits
+
+    whole = both()
+    whole_read, read[:] = sum(read), []
+    monkeypatch.setattr(attention_mod, "WINDOW_SKIP_MIN", 1)
+    assert attention_mod.window_skip(48, 8) == 41
+    torch.testing.assert_close(both(), whole, rtol=0, atol=1e-5)
+    assert sum(read) < whole_read  # the sliding layers' later chunks read fewer keys
+
+
 @pytest.mark.parametrize("spec", ["streaming", "h2o", "snapkv"])
 def test_eviction_keeps_the_budget(spec):
     model = tiny_llama(layers=4)

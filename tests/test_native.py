@@ -374,10 +374,10 @@ def test_sliding_layers_skip_keys_a_window_behind(kind, monkeypatch):
     behind the step's first row: the logits stay transformers' (to rounding), each sliding layer's read
     is a window plus the step's rows long, full layers still read everything, and tree speculation
     under these reads gives plain decoding's greedy tokens (float32)."""
+    import speculum.attention as attention_mod
     import speculum.cache.store as store_mod
-    import speculum.runners.native as native_mod
 
-    monkeypatch.setattr(native_mod, "WINDOW_SKIP_MIN", 1)
+    monkeypatch.setattr(attention_mod, "WINDOW_SKIP_MIN", 1)
     reads = []  # (sliding, keys read)
     real_read = store_mod.BufferStore.read
     monkeypatch.setattr(store_mod.BufferStore, "read",

@@ -145,6 +145,19 @@ def window_start(positions: torch.Tensor, window: int | None) -> int:
     return 0 if window is None else max(0, int(positions.min()) - window + 1)
 
 
+# The static cache's sliding-window layers skip the slots a window behind a step's first row once there
+# are this many (a long prompt's later chunks, long decodes); below it they read them masked, as
+# transformers does, so that short contexts keep transformers' exact logits.
+WINDOW_SKIP_MIN = 1024
+
+
+def window_skip(first: int, window: int | None) -> int:
+    """:func:`window_start` for rows at positions ``first`` and later, where it skips at least
+    :data:`WINDOW_SKIP_MIN` slots, else 0 (read every slot, the hidden ones masked)."""
+    start = 0 if window is None else first - window + 1
+    return start if start >= WINDOW_SKIP_MIN else 0
+
+
 def visibility(length: int, positions: torch.Tensor, new_mask: torch.Tensor | None, window: int | None,
                start: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Which keys ``n`` new tokens see after ``length`` cached ones: ``(full, sliding)``, each a

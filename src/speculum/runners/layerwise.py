@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import attention_probs, attention_scores, fold_queries, grouped, visibility
+from ..attention import attention_probs, attention_scores, fold_queries, grouped, visibility, window_skip
 from ..cache.store import put
 from ..kv.scoring import observation_weights
 
@@ -105,7 +105,8 @@ class ChunkCausalMask:
 
 class ChunkStore:
     """One prompt chunk's :class:`~speculum.cache.store.KVStore` in one layer: its entries go to
-    ``a .. b-1`` of the layer's buffer ``buf [2, H_kv, n, d]`` and it attends over ``0 .. b-1``; its
+    ``a .. b-1`` of the layer's buffer ``buf [2, H_kv, n, d]`` and it attends over ``0 .. b-1`` (a sliding
+    layer from :func:`~speculum.attention.window_skip` on); its
     attention (or, given ``vote``, its vote on the attention logits) is added to ``acc [H_kv, n]``
     and the queries of its rows ``kept [k]`` (indices within the chunk) appended to ``tail`` where
     those are given; ``attend`` (see :func:`prefill_layerwise`) may compute the attention instead."""
@@ -134,7 +135,10 @@ class ChunkStore:
             out = self.policy_attend(layer, sliding, q, buf, a, b, mask)
             if out is not None:
                 return out
-        return decoder.attend(q, buf[0, :, :b], buf[1, :, :b], mask)
+        lo = window_skip(a, decoder.shape.sliding_window) if sliding else 0  # keys a window behind: unseen
+        if lo:
+            mask = None if mask is None else mask[..., lo:]
+        return decoder.attend(q, buf[0, :, lo:b], buf[1, :, lo:b], mask)
 
     def _vote(self, layer: int, q: torch.Tensor, mask: torch.Tensor | None, first: int) -> torch.Tensor:
         """``vote`` of the rows ``q [r, H, d]`` at positions ``first ..`` over keys ``0 .. b-1`` -> ``[H_kv, b]``."""

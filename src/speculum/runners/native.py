@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from ..attention import Step, grouped, visibility
+from ..attention import Step, grouped, visibility, window_skip
 from ..cache import SlotCache, SlotPool, StaticKVCache
 from ..models import context_length, target_key
 from ..tree import DraftTree
@@ -29,9 +29,6 @@ from .decoder import NativeDecoder
 from .invariance import KEY_FLOOR, RowFloors, measure_floors
 
 DEFAULT_GRAPH_CONTEXT = 4096
-# A sliding-window layer skips the slots a window behind a step's first row once there are this many
-# (a long prompt's later chunks, long decodes); below it, it reads them masked, as transformers does.
-WINDOW_SKIP_MIN = 1024
 
 
 class NativeRunner(RunnerBase):
@@ -217,13 +214,10 @@ class NativeRunner(RunnerBase):
         """The first slot a sliding-window layer's queries can see in ``step`` (slot = position in
         this runner's caches): keys a whole window behind the step's first position are hidden from
         every row, so those layers skip them. 0 without sliding layers. (Not in the reproducible mode,
-        whose rows must not depend on the step around them. Below :data:`WINDOW_SKIP_MIN` hidden slots
-        the whole span is read, as transformers does, so that short contexts keep its exact logits.)"""
+        whose rows must not depend on the step around them. Below :data:`~speculum.attention.WINDOW_SKIP_MIN`
+        hidden slots the whole span is read, as transformers does.)"""
         window = self.shape.sliding_window
-        if window is None:
-            return 0
-        start = int(step.positions.min()) - window + 1
-        return start if start >= WINDOW_SKIP_MIN else 0
+        return 0 if window is None else window_skip(int(step.positions.min()), window)
 
     @property
     def prompt_rows(self) -> bool:
