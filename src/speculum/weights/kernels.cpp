@@ -223,35 +223,47 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// As the AVX-512 tile, in two halves of 8 outputs. maddubs multiplies unsigned by signed bytes into
-// 16-bit pairs: u4 codes (<= 15) times activation codes (|q| <= 127) sum to at most 16 * 15 * 127 over a
-// block, so the eight quads add in 16 bits; s8 codes multiply as |w| times the activation code carrying
-// w's sign (a pair stays within 2 * 128 * 127), each quad widened to 32 bits.
-template <bool U4, typename S, int M>
-void tile(const Operands<S>& a, int64_t g, int64_t r0) {
-  const int64_t K = a.K, nb = K / QB, bs = a.bs, spb = QB / bs, qpb = bs / 4, chunk = a.chunk(U4);
-  __m256 acc[2][M];
-  for (int half = 0; half < 2; ++half)
-    for (int t = 0; t < M; ++t) acc[half][t] = _mm256_setzero_ps();
-  const uint8_t* p = a.codes + g * nb * chunk;
+// As the AVX-512 tile, in two halves of 8 outputs, one after the other over the whole input (the
+// group's codes stay in L1 for the second pass), so a half's M accumulators and 8 code vectors fit the
+// 16 registers; the block size is a template argument, so the inner loops carry no run-time block
+// arithmetic (together a third faster than both halves at once). maddubs multiplies unsigned by signed bytes into 16-bit pairs: u4 codes (<= 15) times
+// activation codes (|q| <= 127) sum to at most 16 * 15 * 127 over a block, so the eight quads add in 16
+// bits; s8 codes multiply as |w| times the activation code carrying w's sign (a pair stays within
+// 2 * 128 * 127), each quad widened to 32 bits.
+template <bool U4, typename S, int M, int BS>
+void tile_bs(const Operands<S>& a, int64_t g, int64_t r0) {
+  constexpr int64_t SPB = QB / BS, QPB = BS / 4, CHUNK = U4 ? 256 : 512;
+  const int64_t K = a.K, nb = K / QB;
+  const uint8_t* codes = a.codes + g * nb * CHUNK;
+  const S* scales = a.scales + g * (K / BS) * GROUP;
+  const S* offsets = a.offsets + g * nb * GROUP;
+  const int8_t* xq[M];
+  const float *xd[M], *xs[M];
+  for (int t = 0; t < M; ++t) {
+    xq[t] = a.xq + (r0 + t) * K;
+    xd[t] = a.xd + (r0 + t) * nb;
+    xs[t] = a.xs + (r0 + t) * nb;
+  }
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < nb; ++b, p += chunk) {
-    for (int half = 0; half < 2; ++half) {
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[M];
+    for (int t = 0; t < M; ++t) acc[t] = _mm256_setzero_ps();
+    const uint8_t* p = codes + 32 * half;
+    for (int64_t b = 0; b < nb; ++b, p += CHUNK) {
       __m256i v[8];
       if constexpr (U4) {
         for (int j = 0; j < 4; ++j) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * half));
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j));
           v[j] = _mm256_and_si256(raw, low);
           v[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
         }
       } else {
-        for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32 * half));
+        for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j));
       }
-      for (int64_t h = 0; h < spb; ++h) {
-        const __m256 s = load8(a.scales + ((g * (K / bs)) + b * spb + h) * GROUP + 8 * half);
+      for (int64_t h = 0; h < SPB; ++h) {
+        const __m256 s = load8(scales + (b * SPB + h) * GROUP + 8 * half);
         for (int t = 0; t < M; ++t) {
-          const int64_t r = r0 + t;
-          const int8_t* xr = a.xq + r * K + b * QB + h * bs;
+          const int8_t* xr = xq[t] + b * QB + h * BS;
           __m256i isum;
           if constexpr (U4) {
             __m256i pairs = _mm256_maddubs_epi16(v[0], bcast4(xr));
@@ -259,25 +271,28 @@ void tile(const Operands<S>& a, int64_t g, int64_t r0) {
             isum = _mm256_madd_epi16(pairs, ones);
           } else {
             isum = _mm256_setzero_si256();
-            for (int64_t j = 0; j < qpb; ++j) {
-              const __m256i w = v[h * qpb + j];
+            for (int64_t j = 0; j < QPB; ++j) {
+              const __m256i w = v[h * QPB + j];
               const __m256i prod = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(bcast4(xr + 4 * j), w));
               isum = _mm256_add_epi32(isum, _mm256_madd_epi16(prod, ones));
             }
           }
-          acc[half][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(s, _mm256_set1_ps(a.xd[r * nb + b])),
-                                         acc[half][t]);
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(s, _mm256_set1_ps(xd[t][b])), acc[t]);
         }
       }
       if constexpr (U4) {
-        const __m256 m = load8(a.offsets + (g * nb + b) * GROUP + 8 * half);
-        for (int t = 0; t < M; ++t)
-          acc[half][t] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.xs[(r0 + t) * nb + b]), acc[half][t]);
+        const __m256 m = load8(offsets + b * GROUP + 8 * half);
+        for (int t = 0; t < M; ++t) acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[t][b]), acc[t]);
       }
     }
+    for (int t = 0; t < M; ++t) _mm256_storeu_ps(a.y + (r0 + t) * a.ystride + g * GROUP + 8 * half, acc[t]);
   }
-  for (int half = 0; half < 2; ++half)
-    for (int t = 0; t < M; ++t) _mm256_storeu_ps(a.y + (r0 + t) * a.ystride + g * GROUP + 8 * half, acc[half][t]);
+}
+
+template <bool U4, typename S, int M>
+void tile(const Operands<S>& a, int64_t g, int64_t r0) {
+  if (U4 || a.bs == 32) tile_bs<U4, S, M, 32>(a, g, r0);
+  else tile_bs<U4, S, M, 16>(a, g, r0);
 }
 
 #else

@@ -135,6 +135,51 @@ inline float exp_sum(float* s, int64_t n, float m) {
   return hsum8(acc);
 }
 
+// s[t] = dot(q, K + vis[t] * d, d) for t < T: four keys at a time (a lone dot is a chain of dependent
+// FMAs; four chains overlap), each key's sum the very operations of dot()
+#define SPECULUM_BLOCKED_ATTENTION
+inline void key_scores(const float* q, const float* K, const int32_t* vis, int64_t T, int64_t d, float* s) {
+  int64_t t = 0;
+  for (; t + 4 <= T; t += 4) {
+    const float* k[4] = {K + vis[t] * d, K + vis[t + 1] * d, K + vis[t + 2] * d, K + vis[t + 3] * d};
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[u] + i), acc[u]);
+    }
+    for (int u = 0; u < 4; ++u) {
+      float r = hsum8(acc[u]);
+      for (int64_t e = i; e < d; ++e) r = std::fma(q[e], k[u][e], r);
+      s[t + u] = r;
+    }
+  }
+  for (; t < T; ++t) s[t] = dot(q, K + vis[t] * d, d);
+}
+
+// o[0 .. d) = sum over t < T of p[t] * V[vis[t] * d ..], summed in t order per element as a chain of
+// axpy() calls on zeros would, but with 64 outputs held in registers across a run of keys (runs of 256
+// keys, so a run's values stay in L2 while the 64-wide slices of a wide head pass over them)
+inline void weighted_values(const float* p, const float* V, const int32_t* vis, int64_t T, int64_t d, float* o) {
+  const int64_t wide = d / 64 * 64;
+  std::fill(o, o + d, 0.0f);
+  for (int64_t t0 = 0; t0 < T; t0 += 256) {
+    const int64_t t1 = std::min<int64_t>(T, t0 + 256);
+    for (int64_t e0 = 0; e0 < wide; e0 += 64) {
+      __m256 acc[8];
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_loadu_ps(o + e0 + 8 * u);
+      for (int64_t t = t0; t < t1; ++t) {
+        const __m256 w = _mm256_set1_ps(p[t]);
+        const float* v = V + vis[t] * d + e0;
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * u), acc[u]);
+      }
+      for (int u = 0; u < 8; ++u) _mm256_storeu_ps(o + e0 + 8 * u, acc[u]);
+    }
+    if (wide < d)
+      for (int64_t t = t0; t < t1; ++t) axpy(p[t], V + vis[t] * d + wide, o + wide, d - wide);
+  }
+}
+
 #else
 constexpr int64_t VW = 1;
 
@@ -155,6 +200,19 @@ inline float exp_sum(float* s, int64_t n, float m) {
     acc += s[i];
   }
   return acc;
+}
+#endif
+
+#ifndef SPECULUM_BLOCKED_ATTENTION
+// s[t] = dot(q, K + vis[t] * d, d) for t < T (the AVX2 build blocks four keys, same sums)
+inline void key_scores(const float* q, const float* K, const int32_t* vis, int64_t T, int64_t d, float* s) {
+  for (int64_t t = 0; t < T; ++t) s[t] = dot(q, K + vis[t] * d, d);
+}
+
+// o[0 .. d) = sum over t < T of p[t] * V[vis[t] * d ..], in t order per element
+inline void weighted_values(const float* p, const float* V, const int32_t* vis, int64_t T, int64_t d, float* o) {
+  std::fill(o, o + d, 0.0f);
+  for (int64_t t = 0; t < T; ++t) axpy(p[t], V + vis[t] * d, o, d);
 }
 #endif
 
@@ -315,8 +373,9 @@ torch::Tensor attend_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
       const float* qh = q.data_ptr<float>() + (i * H + h) * d;
       const float* m = masked ? mask_row(i) : nullptr;
       float top = -std::numeric_limits<float>::infinity();
+      key_scores(qh, K + j * C * d, vis.data(), T, d, s.data());
       for (int64_t t = 0; t < T; ++t) {
-        float x = dot(qh, K + (j * C + vis[t]) * d, d) * sc;
+        float x = s[t] * sc;
         if (cap > 0.0f) x = std::tanh(x / cap) * cap;
         if (m) x += m[vis[t]];
         s[t] = x;
@@ -326,7 +385,7 @@ torch::Tensor attend_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
       std::fill(s.begin() + T, s.begin() + Tp, -std::numeric_limits<float>::infinity());
       const float total = exp_sum(s.data(), Tp, top);
       float* o = out.data_ptr<float>() + i * H * d + h * d;
-      for (int64_t t = 0; t < T; ++t) axpy(s[t], V + (j * C + vis[t]) * d, o, d);
+      weighted_values(s.data(), V + j * C * d, vis.data(), T, d, o);
       const float inv = 1.0f / total;
       for (int64_t e = 0; e < d; ++e) o[e] *= inv;
     }
