@@ -147,7 +147,7 @@ struct Operands {
   const int32_t* xc;  // code sums per 16 inputs
   float* y;
   int64_t ystride;
-  int64_t chunk(bool u4) const { return u4 ? 256 : 512; }
+  static constexpr int64_t chunk(bool u4) { return u4 ? 256 : 512; }  // code bytes per group and block
   // the sum of row r's codes over scale block h of block b (what the s8 path's +128 offset adds)
   int32_t code_sum(int64_t r, int64_t b, int64_t h) const {
     const int32_t* c = xc + r * (K / 16) + (b * QB + h * bs) / 16;
@@ -224,15 +224,15 @@ inline __m256i bcast4(const int8_t* p) {
 }
 
 // As the AVX-512 tile, in two halves of 8 outputs, one after the other over the whole input (the
-// group's codes stay in L1 for the second pass), so a half's M accumulators and 8 code vectors fit the
-// 16 registers; the block size is a template argument, so the inner loops carry no run-time block
-// arithmetic (together a third faster than both halves at once). maddubs multiplies unsigned by signed bytes into 16-bit pairs: u4 codes (<= 15) times
-// activation codes (|q| <= 127) sum to at most 16 * 15 * 127 over a block, so the eight quads add in 16
-// bits; s8 codes multiply as |w| times the activation code carrying w's sign (a pair stays within
-// 2 * 128 * 127), each quad widened to 32 bits.
+// group's codes stay in L1 for the second pass), so only one half's M accumulators share AVX2's 16
+// registers with its 8 code vectors; the block size is a template argument, so the inner loops carry
+// no run-time block arithmetic. maddubs multiplies unsigned by signed bytes into 16-bit pairs: u4 codes
+// (<= 15) times activation codes (|q| <= 127) sum to at most 16 * 15 * 127 over a block, so the eight
+// quads add in 16 bits; s8 codes multiply as |w| times the activation code carrying w's sign (a pair
+// stays within 2 * 128 * 127), each quad widened to 32 bits.
 template <bool U4, typename S, int M, int BS>
 void tile_bs(const Operands<S>& a, int64_t g, int64_t r0) {
-  constexpr int64_t SPB = QB / BS, QPB = BS / 4, CHUNK = U4 ? 256 : 512;
+  constexpr int64_t SPB = QB / BS, QPB = BS / 4, CHUNK = Operands<S>::chunk(U4);
   const int64_t K = a.K, nb = K / QB;
   const uint8_t* codes = a.codes + g * nb * CHUNK;
   const S* scales = a.scales + g * (K / BS) * GROUP;

@@ -157,12 +157,11 @@ inline void key_scores(const float* q, const float* K, const int32_t* vis, int64
   for (; t < T; ++t) s[t] = dot(q, K + vis[t] * d, d);
 }
 
-// o[0 .. d) = sum over t < T of p[t] * V[vis[t] * d ..], summed in t order per element as a chain of
-// axpy() calls on zeros would, but with 64 outputs held in registers across a run of keys (runs of 256
-// keys, so a run's values stay in L2 while the 64-wide slices of a wide head pass over them)
+// o[0 .. d) += sum over t < T of p[t] * V[vis[t] * d ..], added in t order per element as a chain of
+// axpy() calls would, but with 64 outputs held in registers across a run of keys (runs of 256 keys, so
+// a run's values stay in L2 while the 64-wide slices of a wide head pass over them)
 inline void weighted_values(const float* p, const float* V, const int32_t* vis, int64_t T, int64_t d, float* o) {
   const int64_t wide = d / 64 * 64;
-  std::fill(o, o + d, 0.0f);
   for (int64_t t0 = 0; t0 < T; t0 += 256) {
     const int64_t t1 = std::min<int64_t>(T, t0 + 256);
     for (int64_t e0 = 0; e0 < wide; e0 += 64) {
@@ -209,9 +208,8 @@ inline void key_scores(const float* q, const float* K, const int32_t* vis, int64
   for (int64_t t = 0; t < T; ++t) s[t] = dot(q, K + vis[t] * d, d);
 }
 
-// o[0 .. d) = sum over t < T of p[t] * V[vis[t] * d ..], in t order per element
+// o[0 .. d) += sum over t < T of p[t] * V[vis[t] * d ..], in t order per element
 inline void weighted_values(const float* p, const float* V, const int32_t* vis, int64_t T, int64_t d, float* o) {
-  std::fill(o, o + d, 0.0f);
   for (int64_t t = 0; t < T; ++t) axpy(p[t], V + vis[t] * d, o, d);
 }
 #endif
@@ -385,7 +383,7 @@ torch::Tensor attend_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
       std::fill(s.begin() + T, s.begin() + Tp, -std::numeric_limits<float>::infinity());
       const float total = exp_sum(s.data(), Tp, top);
       float* o = out.data_ptr<float>() + i * H * d + h * d;
-      weighted_values(s.data(), V + j * C * d, vis.data(), T, d, o);
+      weighted_values(s.data(), V + j * C * d, vis.data(), T, d, o);  // (out starts as zeros)
       const float inv = 1.0f / total;
       for (int64_t e = 0; e < d; ++e) o[e] *= inv;
     }
