@@ -67,3 +67,33 @@ def test_hip_search_matches_the_torch_search(monkeypatch, block):
     want = policy.select(cache, 0, q, None, rows)
     assert torch.equal(got, want)
     assert int(got.sum()) > 0
+
+
+@pytest.mark.parametrize("L", [96, 99])
+@torch.inference_mode()
+def test_quest_select_matches_the_torch_selection(monkeypatch, L):
+    """A tree step (at 99 its root completes a page that its descendants read) chooses the same tokens in
+    ``quest_select`` as in the torch code, with and without rows covered by the budget."""
+    from speculum.attention import AttentionLayout
+    from speculum.kv import make_policy
+    from speculum.kv import quest as quest_module
+
+    g = torch.Generator().manual_seed(L)
+    layout = AttentionLayout(layers=1, heads=6, kv_heads=2, head_dim=16, scale=0.25)
+    for budget in ("12", "40"):
+        policy = make_policy("quest:page=4,dense=0", budget)
+        cache = policy.new_cache(layout, torch.float32, "cpu", L + 16)
+        policy.begin_prefill(cache, L)
+        policy.store_prefill(cache, 0, False, torch.randn(2, 2, L, 16, generator=g), None)
+        policy.end_prefill(cache, L)
+        step = tree_step(L)
+        q, k, v = torch.randn(4, 6, 16, generator=g), torch.randn(4, 2, 16, generator=g), torch.randn(4, 2, 16, generator=g)
+        seen: list[torch.Tensor] = []
+        monkeypatch.setattr(quest_module, "read_rows", lambda *a, seen=seen: seen.append(a[5]))
+        cache.begin(step.positions)
+        policy.attend(cache, 0, False, q, k, v, step)
+        monkeypatch.setattr(quest_module, "row_kernels_for", lambda t: None)
+        policy.attend(cache, 0, False, q, k, v, step)
+        monkeypatch.undo()
+        assert len(seen) == 2 and torch.equal(seen[0], seen[1])
+        assert 0 < int(seen[0].sum()) < seen[0].numel()

@@ -4,7 +4,9 @@
 - ``row_topk(scores [B, n, C] float32, candidates [1 | B, n, C] bool, k)``: per row, the ``k`` best
   candidate columns (ties to the lower column) as a bool mask ``[B, n, C]``;
 - ``row_reads(visible [1 | H_kv, n, L+n] bool, L, H_kv)``: a step's per-row choices -> the committed
-  slots each KV head reads ``[H_kv, m]``, each row's mask ``[H_kv, n, m+n]`` and whether ``m == L``.
+  slots each KV head reads ``[H_kv, m]``, each row's mask ``[H_kv, n, m+n]`` and whether ``m == L``;
+- ``hip_search`` and ``quest_select``: HiP's block search and Quest's page choice per KV head and row,
+  the keys (and Quest's page bounds) read in place -> the tokens each row reads ``[H_kv, n, L+n]`` bool.
 
 Built on first use by :mod:`speculum.extensions` (``SPECULUM_KV_KERNELS=0`` turns them off, as the KV
 kernels). Where they cannot be built, :func:`row_kernels` returns None and says so once; the policies

@@ -23,7 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import AttentionLayout, Step, attention_parts, attention_scores, fold_queries, grouped
+from ..attention import (
+    AttentionLayout,
+    Step,
+    attention_parts,
+    attention_scores,
+    fold_queries,
+    grouped,
+    rotate,
+)
 from .positioned import PositionedKVCache
 
 
@@ -60,6 +68,7 @@ class ShadowKVCache(PositionedKVCache):
             raise ValueError("ShadowKV needs each layer's rotary embedding (its keys are stored before RoPE)")
         self.chunk = chunk
         self.shadow: list[Shadow | None] = [None] * layout.layers
+        self.angles: dict[int, tuple] = {}  # id of a Rotary -> (it, cos, sin): prompt_angles' tables
 
     def nbytes(self) -> int:
         """Whole entries and every layer's factors, landmarks and values."""
@@ -87,8 +96,21 @@ class ShadowKVCache(PositionedKVCache):
         sh = self.shadow[layer]
         heads, m = tokens.shape
         pre = torch.matmul(sh.u[tokens].float(), sh.sv.float())  # [H, m, d]
-        roped = self.layout.rotary[layer].shift(pre.reshape(heads * m, -1), tokens.flatten())
-        return roped.view(heads, m, -1).to(self.dtype)
+        cos, sin = self.prompt_angles(layer)
+        at = tokens.flatten()
+        return rotate(pre.reshape(heads * m, -1), cos[at], sin[at]).view(heads, m, -1).to(self.dtype)
+
+    def prompt_angles(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [T, d]`` float32 of :meth:`~speculum.attention.Rotary.shift`'s rotations to the prompt
+        positions ``0 .. T-1`` of ``layer``'s shadow, computed once per rotary embedding (the same values
+        ``shift`` computes at each call, not recomputed at every step and layer)."""
+        rotary, t = self.layout.rotary[layer], self.shadow[layer].u.shape[0]
+        hit = self.angles.get(id(rotary))
+        if hit is None or hit[1].shape[0] < t:
+            freqs = torch.arange(t, device=self.device)[:, None].float() * rotary.inv_freq.to(self.device)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            hit = self.angles[id(rotary)] = (rotary, emb.cos(), emb.sin())
+        return hit[1], hit[2]
 
     def chosen_chunks(self, layer: int, q: torch.Tensor, select: int) -> torch.Tensor:
         """Each row's choice ``[H_kv, n, c]`` bool among ``layer``'s selectable chunks for ``q [n, H, d]``:

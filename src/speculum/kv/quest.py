@@ -4,7 +4,9 @@ channel-wise minimum and maximum of its keys; at each step and layer, every page
 bound of its attention score, ``sum_c max(q_c min_c, q_c max_c)``, and only the best pages (up
 to the budget) are read, plus the last, unfinished page. Unlike TidalDecode every sparse layer
 selects for itself, from the bounds, without reading the keys. The chosen pages are read in place
-(:meth:`~speculum.cache.PositionedKVCache.attend_rows`), not copied.
+(:meth:`~speculum.cache.PositionedKVCache.attend_rows`), not copied. Where the row kernels are built
+(``quest_select``, :mod:`speculum.cache.row_kernels`), bounds, selection and the tokens to read come from
+one pass per KV head and row; the torch code below is the reference it follows.
 
 Each query row of a step selects for itself, over the pages a one-token step at its position would
 find (:mod:`speculum.kv.rows`): the committed pages, and pages its tree ancestors complete, whose
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention import fold_queries
+from ..cache.row_kernels import row_kernels_for
 from .rows import RowView, read_rows
 from .scoring import page_bounds
 from .sparse import SparseReadPolicy, SparseState
@@ -103,6 +106,14 @@ class QuestPolicy(SparseReadPolicy):
         if bool(covered.all()):
             return cache.attend_all(layer, sliding, q, k, v, step)
         cache.write(layer, k, v)  # the new entries at slots L .. L+n-1: every column a slot
+        ops = row_kernels_for(q)
+        if ops is not None:  # bounds, selection and tokens per KV head and row in one pass, read in place
+            anc = rows.ancestor_columns() if int(rows.positions.max()) > rows.length else pages.new_zeros(rows.n, 0)
+            visible = ops.quest_select(q.float().contiguous(), cache.kv[layer, 0], st.kmin[layer], st.kmax[layer],
+                                       st.pages, rows.positions.long().contiguous(),
+                                       torch.where(covered, pages, want).long().contiguous(), anc.contiguous(),
+                                       rows.length, p)
+            return read_rows(cache, layer, q, k, v, visible, rows, step)
         most = int(pages.max())
         bound = self.bounds(cache, layer, q, rows, most)  # [H_kv, n, most]
         # each row's ``want`` best pages (ties to the earlier page), all of them for a covered row
