@@ -83,6 +83,9 @@ class Step:
 
     positions: torch.Tensor  # [n] rotary positions
     new_mask: torch.Tensor | None  # [n, n] bool among the new tokens (True = visible); None = causal
+    # what a KV policy derives from the step alone, made at the first layer and shared by the others
+    # (:meth:`speculum.kv.rows.RowView.of`); a step lives for one forward
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def n(self) -> int:

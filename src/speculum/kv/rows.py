@@ -55,6 +55,16 @@ class RowView:
 
     @classmethod
     def of(cls, length: int, step: Step) -> RowView:
+        """The view of ``step``'s rows after ``length`` committed slots: made once per step (it depends on
+        nothing else) and shared by every layer of the forward. Its tensors are read, never written."""
+        key = (cls, length)
+        view = step.memo.get(key)
+        if view is None:
+            view = step.memo[key] = cls.make(length, step)
+        return view
+
+    @classmethod
+    def make(cls, length: int, step: Step) -> RowView:
         n, dev = step.n, step.positions.device
         if step.new_mask is None:
             ancestors = torch.ones(n, n, dtype=torch.bool, device=dev).tril(-1)
@@ -80,8 +90,12 @@ class RowView:
         return self.context & (self.col_pos >= lo) & (self.col_pos < hi)
 
     def always(self, sinks: int, window: int) -> torch.Tensor:
-        """``[n, L+n]``: the first ``sinks`` positions and the ``window`` positions before each row."""
-        return self.between(0, sinks) | self.between(self.positions - window, self.positions)
+        """``[n, L+n]``: the first ``sinks`` positions and the ``window`` positions before each row (made
+        once per view and pair)."""
+        memo = self.__dict__.setdefault("_always", {})
+        if (sinks, window) not in memo:
+            memo[sinks, window] = self.between(0, sinks) | self.between(self.positions - window, self.positions)
+        return memo[sinks, window]
 
     def ancestor_columns(self) -> torch.Tensor:
         """``[n, D]``: for row ``i`` and ``t < depth_i``, the column of its ancestor at position ``L + t``
