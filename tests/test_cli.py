@@ -1,6 +1,8 @@
 """The command line: clear one-line errors for user mistakes, JSON output, and the bench harness."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -227,3 +229,28 @@ def test_bench_tasks_keeps_only_those_tasks():
     assert _only_tasks(prompts, None) == prompts
     with pytest.raises(SpeculumError, match="no prompt of --tasks"):
         _only_tasks(prompts, "nonexistent")
+
+
+def test_longctx_plot_merges_runs_first_run_first(tmp_path, monkeypatch):
+    """``benchmarks/longctx_plot.py`` draws several runs' policies in one plot, a (policy, budget, length,
+    task) taken from the first run that has it, the legend beside the panel once there are many."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("longctx_plot", Path(__file__).parents[1] / "benchmarks" / "longctx_plot.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+
+    def row(policy, budget, accuracy):
+        return {"policy": policy, "budget": budget, "length": 4096, "task": "all", "accuracy": accuracy,
+                "kv_bytes": 100 if budget == "-" else 25}
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    (a / "results.json").write_text(json.dumps([row("full", "-", 60.0)] + [row(f"p{i}", "0.25", i) for i in range(8)]))
+    (b / "results.json").write_text(json.dumps([row("full", "-", 10.0), row("p0", "0.25", 99.0)]
+                                               + [row(f"q{i}", "0.5", i) for i in range(4)]))
+    rows = plot.merged_rows([a / "results.json", b / "results.json"])
+    assert len(rows) == 13 and [r["accuracy"] for r in rows if r["policy"] in ("full", "p0")] == [60.0, 0]
+    monkeypatch.setattr(sys, "argv", ["longctx_plot.py", str(tmp_path / "all.png"), str(a), str(b)])
+    plot.main()
+    assert (tmp_path / "all.png").stat().st_size > 0

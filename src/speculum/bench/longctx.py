@@ -269,7 +269,9 @@ def budget_fraction(row: dict, full_bytes: int | None) -> float:
 def accuracy_plot(rows: list[dict], path: str | Path) -> None:
     """Accuracy (all tasks) against the KV budget, one line per policy, one panel per length."""
     lengths = sorted({r["length"] for r in rows})
-    fig, axes = subplots(1, len(lengths), figsize=(4.8 * len(lengths), 3.8), squeeze=False)
+    many = len({r["policy"] for r in rows}) > 10  # the legend then goes beside the panels, in columns
+    fig, axes = subplots(1, len(lengths), figsize=(4.8 * len(lengths) + (3.2 if many else 0), 4.6 if many else 3.8),
+                         squeeze=False)
     for ax, length in zip(axes[0], lengths):
         here = [r for r in rows if r["length"] == length and r["task"] == "all"]
         full = next((r for r in here if r["policy"] == "full"), None)
@@ -282,7 +284,10 @@ def accuracy_plot(rows: list[dict], path: str | Path) -> None:
         ax.set(title=f"{length} tokens", xlabel="KV budget (fraction of context kept, read, or of full bytes)",
                ylabel="accuracy (%)", ylim=(-5, 105))
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8)
+    if many:
+        axes[0][-1].legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    else:
+        axes[0][-1].legend(fontsize=8)
     save(fig, path)
 
 
