@@ -130,6 +130,15 @@ std::tuple<torch::Tensor, torch::Tensor, bool> row_reads(torch::Tensor visible, 
   return {slots, mask, in_place};
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// The eight lanes' sum: halves, then pairs, then the last two.
+inline float lane_sum(__m256 acc) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+#endif
+
 // The largest q.k over the g query rows q [g, d] (float32) for one key k [d]. With AVX2 and FMA, each row's
 // sum runs in eight lanes (lane l takes channels l, l + 8, ...), added pairwise at the end; elsewhere one
 // running sum per row. Either way a row's score depends on its query and the key alone.
@@ -150,10 +159,7 @@ inline float best_dot(const float* q, int64_t g, const T* k, int64_t d) {
       const float* qr = q + r * d;
       __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qr), _mm256_loadu_ps(kf));
       for (int64_t c = 8; c < d; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + c), _mm256_loadu_ps(kf + c), acc);
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      best = std::max(best, _mm_cvtss_f32(h));
+      best = std::max(best, lane_sum(acc));
     }
     return best;
   }
@@ -295,10 +301,7 @@ inline float best_bound(const float* q, int64_t g, const float* mn, const float*
         acc = _mm256_add_ps(acc, _mm256_max_ps(_mm256_mul_ps(qc, _mm256_loadu_ps(mn + c)),
                                                _mm256_mul_ps(qc, _mm256_loadu_ps(mx + c))));
       }
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      best = std::max(best, _mm_cvtss_f32(h));
+      best = std::max(best, lane_sum(acc));
     }
     return best;
   }
