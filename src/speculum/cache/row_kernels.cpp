@@ -4,7 +4,7 @@
 // thousand columns those, not the arithmetic, were the cost).
 //
 // - row_topk: per row, the k best candidate columns of a score vector (ties to the lower column), as a
-//   bool mask; every candidate where a row has k or fewer. A partial selection (nth_element) over the
+//   bool mask; every candidate where a row has k or fewer. A partial selection (best_k) over the
 //   candidates only, instead of masking, sorting or topk-ing the whole row and scattering back.
 // - row_reads: a step's per-row choices -> the committed slots to read per KV head (the union of its
 //   rows' choices, increasing, padded with unchosen slots to a common count) and each row's mask over
@@ -42,6 +42,27 @@ void check(const torch::Tensor& t, const char* name, torch::ScalarType type, int
   TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions");
 }
 
+// Calls keep(j), in increasing j, for the k best of score[0 .. m) (NaN counted as -inf; every j where m <= k):
+// each score above the k-th best, and the earliest of those equal to it (ties to the earlier index).
+// `sorted` is scratch of at least m floats.
+template <typename F>
+void best_k(float* score, int64_t m, int64_t k, float* sorted, F&& keep) {
+  for (int64_t j = 0; j < m; ++j)
+    if (std::isnan(score[j])) score[j] = -std::numeric_limits<float>::infinity();
+  if (m <= k) {
+    for (int64_t j = 0; j < m; ++j) keep(j);
+    return;
+  }
+  if (k <= 0) return;
+  std::copy(score, score + m, sorted);
+  std::nth_element(sorted, sorted + (k - 1), sorted + m, std::greater<float>());
+  const float kth = sorted[k - 1];
+  int64_t ties = k;
+  for (int64_t j = 0; j < m; ++j) ties -= score[j] > kth;
+  for (int64_t j = 0; j < m; ++j)
+    if (score[j] > kth || (score[j] == kth && ties-- > 0)) keep(j);
+}
+
 // scores float32 [B, n, C]; candidates bool [1 | B, n, C] -> bool [B, n, C]: per (b, i) the k candidate
 // columns with the largest scores (a NaN counts as -inf), ties to the lower column.
 torch::Tensor row_topk(torch::Tensor scores, torch::Tensor candidates, int64_t k) {
@@ -58,23 +79,16 @@ torch::Tensor row_topk(torch::Tensor scores, torch::Tensor candidates, int64_t k
   bool* O = out.data_ptr<bool>();
   at::parallel_for(0, B * n, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> idx;
-    std::vector<float> val(C);
+    std::vector<float> val, sorted;
     for (int64_t r = begin; r < end; ++r) {
       const float* s = S + r * C;
       const bool* m = M + (Bc == 1 ? r % n : r) * C;
       bool* o = O + r * C;
-      idx.clear();
+      idx.clear(), val.clear();
       for (int64_t c = 0; c < C; ++c)
-        if (m[c]) {
-          idx.push_back(static_cast<int32_t>(c));
-          val[c] = std::isnan(s[c]) ? -std::numeric_limits<float>::infinity() : s[c];
-        }
-      if (static_cast<int64_t>(idx.size()) > k) {
-        auto better = [&](int32_t a, int32_t b) { return val[a] > val[b] || (val[a] == val[b] && a < b); };
-        std::nth_element(idx.begin(), idx.begin() + k, idx.end(), better);
-        idx.resize(k);
-      }
-      for (int32_t c : idx) o[c] = true;
+        if (m[c]) idx.push_back(static_cast<int32_t>(c)), val.push_back(s[c]);
+      sorted.resize(val.size());
+      best_k(val.data(), static_cast<int64_t>(val.size()), k, sorted.data(), [&](int64_t j) { o[idx[j]] = true; });
     }
   });
   return out;
@@ -170,27 +184,6 @@ inline float best_dot(const float* q, int64_t g, const T* k, int64_t d) {
     best = std::max(best, acc);
   }
   return best;
-}
-
-// Calls keep(j), in increasing j, for the k best of score[0 .. m) (NaN counted as -inf; every j where m <= k):
-// each score above the k-th best, and the earliest of those equal to it (ties to the earlier index).
-// `sorted` is scratch of at least m floats.
-template <typename F>
-void best_k(float* score, int64_t m, int64_t k, float* sorted, F&& keep) {
-  for (int64_t j = 0; j < m; ++j)
-    if (std::isnan(score[j])) score[j] = -std::numeric_limits<float>::infinity();
-  if (m <= k) {
-    for (int64_t j = 0; j < m; ++j) keep(j);
-    return;
-  }
-  if (k <= 0) return;
-  std::copy(score, score + m, sorted);
-  std::nth_element(sorted, sorted + (k - 1), sorted + m, std::greater<float>());
-  const float kth = sorted[k - 1];
-  int64_t ties = k;
-  for (int64_t j = 0; j < m; ++j) ties -= score[j] > kth;
-  for (int64_t j = 0; j < m; ++j)
-    if (score[j] > kth || (score[j] == kth && ties-- > 0)) keep(j);
 }
 
 // q float32 [n, H, d]; keys [H_kv, slots, d] (one layer's, the step's entries written); span int64 [n]
