@@ -257,6 +257,33 @@ def test_layer_ops_match_torch(arch):
             assert torch.allclose(got, want, atol=1e-5), (softcap, mask is None, (got - want).abs().max())
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_attention_of_rows_over_a_long_prefix_is_each_rows_alone(arch):
+    """Several rows over a shared prefix longer than a block (attention then reads each block once for all
+    of a KV head's queries) give each row the same bits as a one-row call over the same slots, under a
+    tree mask, without a mask, with and without soft-capping; head sizes 64 and 256."""
+    k = load_kernels(arch)
+    g = torch.Generator().manual_seed(3)
+    n, write = 5, 300
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 0, 1, 1, 0], [1, 1, 0, 0, 1]],
+                        dtype=torch.bool)
+    for Hkv, group, d in ((2, 3, 64), (1, 4, 256)):
+        H, keys = Hkv * group, write + n
+        q, kk, v = torch.randn(n, H, d, generator=g), torch.randn(n, Hkv, d, generator=g), torch.randn(n, Hkv, d, generator=g)
+        kv = torch.randn(1, 2, Hkv, keys + 4, d, generator=g)
+        visible = torch.ones(n, keys, dtype=torch.bool)
+        visible[:, write:] = tree
+        for softcap in (0.0, 5.0):
+            for mask in (torch.zeros(n, keys).masked_fill(~visible, float("-inf")), None):
+                cache = kv.clone()
+                none = torch.empty(0)
+                rows = k.attend_cache(q, kk, v, cache, 0, write, keys, none if mask is None else mask, 0.125, softcap)
+                for i in range(n):  # the cache now holds every row's entries: row i alone rewrites its own
+                    alone = k.attend_cache(q[i:i + 1], kk[i:i + 1], v[i:i + 1], cache, 0, write + i, keys,
+                                           none if mask is None else mask[i:i + 1], 0.125, softcap)
+                    assert torch.equal(alone[0], rows[i]), (Hkv, d, softcap, mask is None, i)
+
+
 @pytest.mark.parametrize("kind", ["llama", "gemma3"])
 def test_quantized_forward_is_row_invariant(kind):
     """On quantized weights every row of a step is computed alone: a token's logits are the same bits

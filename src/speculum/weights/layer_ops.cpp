@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <tuple>
 #include <vector>
 
@@ -314,6 +315,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_qkv(torch::Tensor q
   return {q, k, v};
 }
 
+// Bytes of keys (or values) per block when several query rows share a prefix of the cache (attend_cache):
+// a block stays in L1 while every query of the KV head reads it.
+static constexpr int64_t kSharedBytes = 16384;
+
 // Writes the new keys and values k, v [n, H_kv, d] into layer `layer` of the cache kv [layers, 2, H_kv, C, d]
 // at slots write .. write + n - 1, then attends: q [n, H, d] over slots 0 .. keys - 1, query i seeing the
 // slots where the additive mask's row i ([n or g n, >= keys], rows j n + i alike for the g heads of a KV
@@ -360,32 +365,102 @@ torch::Tensor attend_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
   auto out = torch::zeros({n, H * d}, q.options());
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   const int64_t padded = (most + VW - 1) / VW * VW;
-  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, most * d));
-  at::parallel_for(0, n * H, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(std::max<int64_t>(padded, 1));
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / H, h = item % H, j = h / g;
-      const auto& vis = visible[i];
-      const int64_t T = static_cast<int64_t>(vis.size());
-      if (T == 0) continue;  // no visible key: zeros (a padding row)
-      const float* qh = q.data_ptr<float>() + (i * H + h) * d;
-      const float* m = masked ? mask_row(i) : nullptr;
-      float top = -std::numeric_limits<float>::infinity();
-      key_scores(qh, K + j * C * d, vis.data(), T, d, s.data());
-      for (int64_t t = 0; t < T; ++t) {
-        float x = s[t] * sc;
-        if (cap > 0.0f) x = std::tanh(x / cap) * cap;
-        if (m) x += m[vis[t]];
-        s[t] = x;
-        top = std::max(top, x);
+  // One query (row i, head h): its scores s over its visible slots (key_scores, already filled) -> softmax
+  // weights in place, and the weights' sum.
+  auto weigh = [&](int64_t i, float* s) {
+    const auto& vis = visible[i];
+    const int64_t T = static_cast<int64_t>(vis.size());
+    const float* m = masked ? mask_row(i) : nullptr;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < T; ++t) {
+      float x = s[t] * sc;
+      if (cap > 0.0f) x = std::tanh(x / cap) * cap;
+      if (m) x += m[vis[t]];
+      s[t] = x;
+      top = std::max(top, x);
+    }
+    const int64_t Tp = (T + VW - 1) / VW * VW;
+    std::fill(s + T, s + Tp, -std::numeric_limits<float>::infinity());
+    return exp_sum(s, Tp, top);
+  };
+  auto finish = [&](float* o, float total) {
+    const float inv = 1.0f / total;
+    for (int64_t e = 0; e < d; ++e) o[e] *= inv;
+  };
+  // the slots 0 .. shared-1 that every row sees, in that order at the start of its visible list
+  int64_t shared = most;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t t = 0;
+    const auto& vis = visible[i];
+    while (t < std::min<int64_t>(shared, static_cast<int64_t>(vis.size())) && vis[t] == t) ++t;
+    shared = t;
+  }
+  const int64_t block = std::max<int64_t>(16, kSharedBytes / (d * static_cast<int64_t>(sizeof(float))) / 4 * 4);
+  if (n == 1 || shared < block) {
+    // each (row, head) on its own: every query reads its keys and values itself
+    const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, most * d));
+    at::parallel_for(0, n * H, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> s(std::max<int64_t>(padded, 1));
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t i = item / H, h = item % H, j = h / g;
+        const auto& vis = visible[i];
+        const int64_t T = static_cast<int64_t>(vis.size());
+        if (T == 0) continue;  // no visible key: zeros (a padding row)
+        key_scores(q.data_ptr<float>() + (i * H + h) * d, K + j * C * d, vis.data(), T, d, s.data());
+        const float total = weigh(i, s.data());
+        float* o = out.data_ptr<float>() + i * H * d + h * d;
+        weighted_values(s.data(), V + j * C * d, vis.data(), T, d, o);  // (out starts as zeros)
+        finish(o, total);
       }
-      const int64_t Tp = (T + VW - 1) / VW * VW;
-      std::fill(s.begin() + T, s.begin() + Tp, -std::numeric_limits<float>::infinity());
-      const float total = exp_sum(s.data(), Tp, top);
-      float* o = out.data_ptr<float>() + i * H * d + h * d;
-      weighted_values(s.data(), V + j * C * d, vis.data(), T, d, o);  // (out starts as zeros)
-      const float inv = 1.0f / total;
-      for (int64_t e = 0; e < d; ++e) o[e] *= inv;
+    });
+    return out;
+  }
+  // Several rows over a long shared prefix (a tree or chain being verified): the queries of one KV head
+  // take the prefix's keys, then its values, a block of slots at a time, so that a block is read from
+  // memory once for all of them (or for each of the few tasks they are split into), not once per query. Each query's arithmetic is the one
+  // above: key_scores scores each key alone, exp_sum runs over its whole list, and weighted_values adds
+  // the slots in order per output element however the list is cut. The same bits.
+  // a KV head's queries split into the fewest tasks that keep every thread busy (Hkv x chunks a
+  // multiple of the threads)
+  const int64_t threads = at::get_num_threads(), per_head = n * g;
+  const int64_t split = std::min<int64_t>(per_head, threads / std::gcd<int64_t>(Hkv, threads));
+  const int64_t chunk = (per_head + split - 1) / split, chunks = (per_head + chunk - 1) / chunk;
+  at::parallel_for(0, Hkv * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(chunk * std::max<int64_t>(padded, 1));
+    std::vector<float> totals(chunk);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t j = task / chunks, first = task % chunks * chunk, last = std::min(per_head, first + chunk);
+      const float* Kj = K + j * C * d;
+      const float* Vj = V + j * C * d;
+      // query u of the task: row (first + u) / g, head j g + (first + u) % g
+      auto row_of = [&](int64_t u) { return (first + u) / g; };
+      auto head_of = [&](int64_t u) { return j * g + (first + u) % g; };
+      auto scores = [&](int64_t u) { return s.data() + u * padded; };
+      for (int64_t t0 = 0; t0 < shared; t0 += block) {
+        const int64_t len = std::min(block, shared - t0);
+        for (int64_t u = 0; u < last - first; ++u)
+          key_scores(q.data_ptr<float>() + (row_of(u) * H + head_of(u)) * d, Kj, visible[row_of(u)].data() + t0, len, d,
+                     scores(u) + t0);
+      }
+      for (int64_t u = 0; u < last - first; ++u) {
+        const auto& vis = visible[row_of(u)];
+        const int64_t T = static_cast<int64_t>(vis.size());
+        key_scores(q.data_ptr<float>() + (row_of(u) * H + head_of(u)) * d, Kj, vis.data() + shared, T - shared, d,
+                   scores(u) + shared);
+        totals[u] = weigh(row_of(u), scores(u));
+      }
+      auto output = [&](int64_t u) { return out.data_ptr<float>() + row_of(u) * H * d + head_of(u) * d; };
+      for (int64_t t0 = 0; t0 < shared; t0 += block) {
+        const int64_t len = std::min(block, shared - t0);
+        for (int64_t u = 0; u < last - first; ++u)
+          weighted_values(scores(u) + t0, Vj, visible[row_of(u)].data() + t0, len, d, output(u));
+      }
+      for (int64_t u = 0; u < last - first; ++u) {
+        const auto& vis = visible[row_of(u)];
+        const int64_t T = static_cast<int64_t>(vis.size());
+        weighted_values(scores(u) + shared, Vj, vis.data() + shared, T - shared, d, output(u));
+        finish(output(u), totals[u]);
+      }
     }
   });
   return out;
