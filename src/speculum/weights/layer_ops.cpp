@@ -136,26 +136,103 @@ inline float exp_sum(float* s, int64_t n, float m) {
   return hsum8(acc);
 }
 
-// s[t] = dot(q, K + vis[t] * d, d) for t < T: four keys at a time (a lone dot is a chain of dependent
-// FMAs; four chains overlap), each key's sum the very operations of dot()
+// The eight sums of eight vectors' lanes, each by hsum8()'s very additions ((v0 + v4) + (v2 + v6)) +
+// ((v1 + v5) + (v3 + v7)), transposed so that they share the shuffles: -> [sum a[0], ..., sum a[7]]
+inline __m256 hsum8x8(const __m256* a) {
+  // halves: p = [a[x] lo + hi | a[y] lo + hi] for the pairs (0, 4), (1, 5), (2, 6), (3, 7)
+  auto halves = [](__m256 x, __m256 y) {
+    return _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+  };
+  const __m256 p04 = halves(a[0], a[4]), p15 = halves(a[1], a[5]), p26 = halves(a[2], a[6]), p37 = halves(a[3], a[7]);
+  // (s0 + s2, s1 + s3) of each: lanes [a0 a0 a1 a1 | a4 a4 a5 a5] and [a2 a2 a3 a3 | a6 a6 a7 a7]
+  const __m256 q01 = _mm256_add_ps(_mm256_shuffle_ps(p04, p15, 0x44), _mm256_shuffle_ps(p04, p15, 0xEE));
+  const __m256 q23 = _mm256_add_ps(_mm256_shuffle_ps(p26, p37, 0x44), _mm256_shuffle_ps(p26, p37, 0xEE));
+  // t0 + t1 of each: [a0 a1 a2 a3 | a4 a5 a6 a7]
+  return _mm256_add_ps(_mm256_shuffle_ps(q01, q23, 0x88), _mm256_shuffle_ps(q01, q23, 0xDD));
+}
+
+// s[0 .. 8) = dot(q, k[u], D) for eight keys, D a multiple of 8: eight chains of FMAs side by side (a
+// lone dot is one chain of dependent FMAs), each key's sum the very operations of dot()
+template <int64_t D>
+inline void eight_scores(const float* q, const float* const* k, float* s) {
+  __m256 acc[8];
+  for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[u] + i), acc[u]);
+  }
+  _mm256_storeu_ps(s, hsum8x8(acc));
+}
+
+template <int64_t D>
+inline void key_scores_of(const float* q, const float* K, const int32_t* vis, int64_t T, float* s) {
+  int64_t t = 0;
+  for (; t + 8 <= T; t += 8) {
+    const float* k[8];
+    for (int u = 0; u < 8; ++u) k[u] = K + vis[t + u] * D;
+    eight_scores<D>(q, k, s + t);
+  }
+  for (; t < T; ++t) s[t] = dot(q, K + vis[t] * D, D);
+}
+
+// s[t] <- s[t] * sc + m[vis[t]] (m may be null: no addition) for t < T, the product rounded before the
+// addition (as the scalar loop in attend_cache); returns the largest, NaNs skipped as std::max(top, x) skips them
+#define SPECULUM_VECTOR_SCALED_SCORES
+inline float scaled_scores(float* s, int64_t T, float sc, const float* m, const int32_t* vis) {
+  const __m256 vsc = _mm256_set1_ps(sc);
+  __m256 vtop = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 8 <= T; t += 8) {
+    __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + t), vsc);
+    if (m) {
+      asm("" : "+x"(x));  // no fused multiply-add: the product is rounded first
+      const __m256 add = vis[t + 7] - vis[t] == 7
+                             ? _mm256_loadu_ps(m + vis[t])
+                             : _mm256_i32gather_ps(m, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vis + t)), 4);
+      x = _mm256_add_ps(x, add);
+    }
+    _mm256_storeu_ps(s + t, x);
+    vtop = _mm256_max_ps(x, vtop);  // a NaN x keeps the running maximum
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vtop);
+  float top = -std::numeric_limits<float>::infinity();
+  for (float l : lanes) top = std::max(top, l);
+  for (; t < T; ++t) {
+    float x = s[t] * sc;
+    asm("" : "+x"(x));
+    if (m) x += m[vis[t]];
+    s[t] = x;
+    top = std::max(top, x);
+  }
+  return top;
+}
+
+// s[t] = dot(q, K + vis[t] * d, d) for t < T (eight keys at a time where d is a multiple of 8 up to
+// 256: see eight_scores; the same sums)
 #define SPECULUM_BLOCKED_ATTENTION
 inline void key_scores(const float* q, const float* K, const int32_t* vis, int64_t T, int64_t d, float* s) {
-  int64_t t = 0;
-  for (; t + 4 <= T; t += 4) {
-    const float* k[4] = {K + vis[t] * d, K + vis[t + 1] * d, K + vis[t + 2] * d, K + vis[t + 3] * d};
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    int64_t i = 0;
-    for (; i + 8 <= d; i += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + i);
-      for (int u = 0; u < 4; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[u] + i), acc[u]);
-    }
-    for (int u = 0; u < 4; ++u) {
-      float r = hsum8(acc[u]);
-      for (int64_t e = i; e < d; ++e) r = std::fma(q[e], k[u][e], r);
-      s[t + u] = r;
-    }
+  switch (d) {
+    case 64: return key_scores_of<64>(q, K, vis, T, s);
+    case 128: return key_scores_of<128>(q, K, vis, T, s);
+    case 256: return key_scores_of<256>(q, K, vis, T, s);
+    default: break;
   }
-  for (; t < T; ++t) s[t] = dot(q, K + vis[t] * d, d);
+  if (d % 8 == 0 && d <= 256) {
+    int64_t t = 0;
+    for (; t + 8 <= T; t += 8) {
+      __m256 acc[8];
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(K + vis[t + u] * d + i), acc[u]);
+      }
+      _mm256_storeu_ps(s + t, hsum8x8(acc));
+    }
+    for (; t < T; ++t) s[t] = dot(q, K + vis[t] * d, d);
+    return;
+  }
+  for (int64_t t = 0; t < T; ++t) s[t] = dot(q, K + vis[t] * d, d);
 }
 
 // o[0 .. d) += sum over t < T of p[t] * V[vis[t] * d ..], added in t order per element as a chain of
@@ -372,6 +449,10 @@ torch::Tensor attend_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
     const int64_t T = static_cast<int64_t>(vis.size());
     const float* m = masked ? mask_row(i) : nullptr;
     float top = -std::numeric_limits<float>::infinity();
+#ifdef SPECULUM_VECTOR_SCALED_SCORES
+    if (cap <= 0.0f) top = scaled_scores(s, T, sc, m, vis.data());
+    else
+#endif
     for (int64_t t = 0; t < T; ++t) {
       float x = s[t] * sc;
       if (cap > 0.0f) x = std::tanh(x / cap) * cap;
@@ -395,8 +476,8 @@ torch::Tensor attend_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
     while (t < std::min<int64_t>(shared, static_cast<int64_t>(vis.size())) && vis[t] == t) ++t;
     shared = t;
   }
-  const int64_t block = std::max<int64_t>(16, kSharedBytes / (d * static_cast<int64_t>(sizeof(float))) / 4 * 4);
-  if (n == 1 || shared < block) {
+  const int64_t block = std::max<int64_t>(16, kSharedBytes / (d * static_cast<int64_t>(sizeof(float))) / 8 * 8);
+  if ((n == 1 && g == 1) || shared < block) {
     // each (row, head) on its own: every query reads its keys and values itself
     const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, most * d));
     at::parallel_for(0, n * H, grain, [&](int64_t begin, int64_t end) {
@@ -415,13 +496,13 @@ torch::Tensor attend_cache(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
     });
     return out;
   }
-  // Several rows over a long shared prefix (a tree or chain being verified): the queries of one KV head
-  // take the prefix's keys, then its values, a block of slots at a time, so that a block is read from
-  // memory once for all of them (or for each of the few tasks they are split into), not once per query. Each query's arithmetic is the one
-  // above: key_scores scores each key alone, exp_sum runs over its whole list, and weighted_values adds
-  // the slots in order per output element however the list is cut. The same bits.
-  // a KV head's queries split into the fewest tasks that keep every thread busy (Hkv x chunks a
-  // multiple of the threads)
+  // The queries of one KV head over a long shared prefix (the g heads of a group in a decode step; a
+  // tree's or chain's rows besides): they take the prefix's keys, then its values, a block of slots at a
+  // time, so that a block is read from memory once for all of them (or for each of the few tasks they
+  // are split into), not once per query. Each query's arithmetic is the one above: key_scores scores
+  // each key alone, exp_sum runs over its whole list, and weighted_values adds the slots in order per
+  // output element however the list is cut. The same bits. A KV head's queries are split into the
+  // fewest tasks that keep every thread busy (Hkv x chunks a multiple of the threads).
   const int64_t threads = at::get_num_threads(), per_head = n * g;
   const int64_t split = std::min<int64_t>(per_head, threads / std::gcd<int64_t>(Hkv, threads));
   const int64_t chunk = (per_head + split - 1) / split, chunks = (per_head + chunk - 1) / chunk;
