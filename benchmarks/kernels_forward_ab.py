@@ -1,9 +1,10 @@
 """The native runner's forward of n rows on GGUF weights, with the quantized-weight kernels
 (``kernels.cpp``, ``layer_ops.cpp``) of an older commit against the working tree's, interleaved in one
-process (the decoder's compiled ops swapped between calls), after a 64-token context. Both builds must
+process (the decoder's compiled ops swapped between calls), after a context of ``--context`` tokens
+(default 64). Both builds must
 give the same logits (checked), so only the time differs.
 
-    .venv/bin/python benchmarks/kernels_forward_ab.py OLD_REV [--threads 2] [--repeats 25]
+    .venv/bin/python benchmarks/kernels_forward_ab.py OLD_REV [--threads 2] [--repeats 25] [--context 64]
 
 Prints the median milliseconds per forward of each side and old / new, per row count.
 """
@@ -39,6 +40,7 @@ def main() -> None:
     ap.add_argument("old_rev")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=25)
+    ap.add_argument("--context", type=int, default=64, help="cached tokens before the timed forwards")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import speculum
@@ -53,11 +55,12 @@ def main() -> None:
     model, _ = speculum.load("default", weights="gguf")
     runner = runner_for(model, "native")
     dec = runner.decoder
-    print(f"kernels: {new.isa()}; threads {args.threads}; old = {args.old_rev}, new = the working tree\n")
+    print(f"kernels: {new.isa()}; threads {args.threads}; context {args.context}; old = {args.old_rev}, "
+          "new = the working tree\n")
     print("| rows | old ms | new ms | old / new |\n|---:|---:|---:|---:|")
     for n in ROWS:
-        cache = runner.new_cache(256)
-        runner.prefill(cache, list(range(100, 164)))
+        cache = runner.new_cache(args.context + 64)
+        runner.prefill(cache, list(range(100, 100 + args.context)))
         tree = DraftTree.chain(list(range(200, 200 + n - 1)))
         times, logits = {"old": [], "new": []}, {}
         for _ in range(args.repeats):
