@@ -31,6 +31,7 @@ DRAFTERS = {
     "recycling": lambda: RecyclingDrafter(),
     "recycling_scored_k2_deep": lambda: RecyclingDrafter(k=2, tree="scored", pair_context=True, max_depth=30),
     "ngram_tree": lambda: NgramDrafter(branches=4, branch_draft=3),
+    "ngram_scored": lambda: NgramDrafter(scored=True),
     "mix": lambda: MixDrafter([SuffixMergedDrafter(), RecyclingDrafter(tree="scored", pair_context=True)]),
     "auto": lambda: AutoDrafter(),
 }
@@ -253,6 +254,30 @@ def test_auto_bandit_converges_to_the_fastest_arm():
     # simulated: "none" commits 1 token in 16 ms; "mix" 3 tokens in 20 ms; others 1 token in 25 ms
     chosen = _simulate_auto(lambda arm: {"none": (1, 0.016), "mix": (3, 0.020)}.get(arm, (1, 0.025)))
     assert Counter(chosen[-100:])["mix"] >= 80
+
+
+def test_scored_ngram_chains_learn_their_hit_rates_and_the_sizer_cuts_them():
+    """auto's ngram arm scores each chain node by learnt hit rates (each node at most its parent); after
+    steps whose first node missed, the next chain scores lower, and a sizer under a steep cost keeps
+    less of it than of the fresh chain."""
+    import torch
+
+    from speculum.verify import Acceptance
+
+    drafter = NgramDrafter(scored=True)
+    drafter.reset([5, 6, 7, 8, 9, 5, 6], None, None)
+    tokens = [5, 6, 7, 8, 9, 5, 6]
+    fresh = drafter.propose(tokens, 16)
+    assert fresh.tokens[:3] == [7, 8, 9] and fresh.tags[0] == ("ngram", (2, 1, 0))
+    assert all(fresh.scores[i] <= fresh.scores[p] for i, p in enumerate(fresh.parents) if p >= 0)
+    for _ in range(20):  # the target wanted 0 where the chain said 7
+        logits = torch.zeros(len(fresh) + 1, 10)
+        logits[:, 0] = 1.0
+        drafter.update(tokens, fresh, Acceptance([], [0], [0] * (len(fresh) + 1)), logits)
+    learnt = drafter.propose(tokens, 16)
+    assert learnt.tokens == fresh.tokens and learnt.scores[0] < 0.5 * fresh.scores[0]
+    steep = TreeSizer(CostModel(tokens=[1, 2, 16], contexts=[64], seconds=[[0.010, 0.013, 0.040]]))
+    assert len(steep.select(learnt, 7)) < len(steep.select(fresh, 7))
 
 
 def test_auto_falls_back_to_plain_decoding_when_nothing_pays():

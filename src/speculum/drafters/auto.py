@@ -79,7 +79,7 @@ class AutoDrafter(Drafter):
         # learned: more arms by name, the learned drafters' and the self-drafters' (``auto_self``);
         # memory: where retired arms are recorded, under arm_names[name] (default: the name)
         self.suffix, self.recycling = SuffixMergedDrafter(), RecyclingDrafter(tree="scored", pair_context=True)
-        self.ngram = NgramDrafter()
+        self.ngram = NgramDrafter(scored=True)  # its chains sized to the hardware like mix's trees
         self.learned = dict(learned or {})
         self.arms: dict[str, Drafter] = {
             "mix": MixDrafter([self.suffix, self.recycling]),

@@ -20,6 +20,11 @@ adaptive=False, max_draft=10, unigram_draft=10``):
   defaults").
 - ``prefer="first"`` takes the earliest occurrence instead (as transformers does); ``per_ngram``
   caps the draft at ``per_ngram * n`` tokens for an ``n``-token match.
+- ``scored=True`` (``auto``'s ``ngram`` arm) attaches to each drafted node a score for the engine's
+  tree sizer: the product down the chain of learnt hit rates keyed by (match length ``n``, depth,
+  whether the previous step accepted 4 or more tokens), as ``suffix_merged`` scores its nodes. Where
+  every verified row costs (a CPU) the sizer then keeps only the part of a chain likely to pay; a
+  long verbatim copy, whose hit rates are high, keeps its length.
 - ``branches > 1`` (the ``ngram_tree`` method) drafts a tree: the continuations of up to
   ``branches`` occurrences with different next tokens, longest n-gram first, the preferred one
   ``draft_len`` long and the others ``branch_draft`` long, merged where they share a prefix.
@@ -30,6 +35,15 @@ from __future__ import annotations
 from ..tree import DraftTree, TreeBuilder
 from ..verify import Acceptance
 from .base import Drafter
+from .hit_rates import HitRates, record_tree
+
+SOURCE = "ngram"
+
+
+def _prior(key) -> float:
+    """Before any evidence: longer matches and copying runs hit more often, deeper nodes less."""
+    n, depth, streak = key
+    return min(0.9, (0.3 + 0.15 * (n - 1) + 0.3 * streak) * 0.9 ** (depth - 1))
 
 
 class NgramDrafter(Drafter):
@@ -37,7 +51,7 @@ class NgramDrafter(Drafter):
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_draft: int = 16, min_draft: int = 6,
                  grow: int = 4, unigram_draft: int = 8, adaptive: bool = True, prefer: str = "recent",
-                 per_ngram: float = 0.0, branches: int = 1, branch_draft: int = 4):
+                 per_ngram: float = 0.0, branches: int = 1, branch_draft: int = 4, scored: bool = False):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         if not 1 <= min_draft <= max_draft:
@@ -51,6 +65,9 @@ class NgramDrafter(Drafter):
         if branches < 1:
             raise ValueError("branches must be >= 1")
         self.branches, self.branch_draft = branches, branch_draft
+        if scored and branches > 1:
+            raise ValueError("scored chains only: scored=True needs branches=1")
+        self.rates = HitRates(prior=_prior) if scored else None  # kept across requests
 
     def reset(self, prompt_ids, params, generator):
         super().reset(prompt_ids, params, generator)
@@ -59,6 +76,7 @@ class NgramDrafter(Drafter):
         self.all_starts: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.sizes}
         self.indexed = 0  # continuation starts < indexed are in the index
         self.draft_len = self.max_draft
+        self.streak = 0  # whether the previous step accepted 4 or more tokens (scored chains)
 
     def _index_upto(self, tokens: list[int]) -> None:
         """Index every n-gram whose continuation start ``i`` satisfies ``indexed <= i < len(tokens)``."""
@@ -88,7 +106,18 @@ class NgramDrafter(Drafter):
         k = min(k, budget)
         if self.branches > 1:
             return self._tree(tokens, n, start, k, budget)
+        if self.rates is not None:
+            return self._scored_chain(tokens[start:start + k], n)
         return DraftTree.chain(tokens[start:start + k])
+
+    def _scored_chain(self, chain: list[int], n: int) -> DraftTree:
+        """``chain`` with each node scored by the hit rates down to it (see the module doc)."""
+        builder, parent, score = TreeBuilder(), -1, 1.0
+        for depth, tok in enumerate(chain, start=1):
+            key = (n, min(depth, 8), self.streak)
+            score *= self.rates.p(key)
+            parent = builder.add(parent, tok, score, (SOURCE, key))
+        return builder.build()
 
     def _match(self, ends: list[int]) -> tuple[int, int] | None:
         """``(n, start)``: the longest indexed n-gram ending ``ends`` and where its continuation
@@ -132,6 +161,10 @@ class NgramDrafter(Drafter):
         return DraftTree(tree.tokens, tree.parents)
 
     def update(self, tokens: list[int], tree: DraftTree, acceptance: Acceptance, logits=None) -> None:
+        if self.rates is not None:
+            if logits is not None:
+                record_tree(self.rates, SOURCE, tree, logits, acceptance)
+            self.streak = int(len(acceptance.path) >= 4)
         if not self.adaptive or len(tree) == 0:
             return
         accepted = len(acceptance.path)
