@@ -2,7 +2,8 @@
 
 Arms: ``mix`` (trees from speculum's variants of suffix decoding and Token Recycling,
 ``suffix_merged`` and ``recycling_scored``), ``ngram`` (prompt-lookup chains, which reach further
-on long verbatim copies) and ``none`` (plain decoding). Standalone ``suffix`` and ``recycling``
+on long verbatim copies; scored by learnt hit rates, so that the tree sizer cuts them to what pays on
+this hardware, as it cuts ``mix``'s trees) and ``none`` (plain decoding). Standalone ``suffix`` and ``recycling``
 arms were dropped after measuring: ``mix`` contains both, and every extra arm costs
 exploration steps. The reward of an arm is measured, not predicted (:mod:`~speculum.drafters.rate_bandit`):
 the tokens committed by the steps it drafted over the wall time of those steps. Estimates are
