@@ -115,6 +115,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.25, help="fraction of the context kept")
     ap.add_argument("--presses", default="none,streaming,snapkv")
     ap.add_argument("--out", default="kvpress-out")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the model's dtype (float32 on a CPU without bfloat16 instructions, where it is emulated)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     from transformers.utils import logging as hf_logging
@@ -122,7 +124,7 @@ def main() -> None:
     hf_logging.disable_progress_bar()
 
     tok = AutoTokenizer.from_pretrained(args.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype)).eval()
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tok, device="cpu")
     max_pos = model.config.max_position_embeddings
 
@@ -168,7 +170,7 @@ def main() -> None:
                          "peak_rss_increase_bytes": max(r["peak_rss_increase_bytes"] for r in rs),
                          "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rs),
                          "time_s": round(statistics.mean(r["time_s"] for r in rs), 2)})
-    (out / "results.json").write_text(json.dumps({"rows": rows, "records": records,
+    (out / "results.json").write_text(json.dumps({"rows": rows, "records": records, "dtype": args.dtype,
                                                   "versions": {"torch": torch.__version__,
                                                                "kvpress": _version("kvpress"),
                                                                "transformers": _version("transformers")},
