@@ -151,28 +151,24 @@ inline __m256 hsum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_shuffle_ps(q01, q23, 0x88), _mm256_shuffle_ps(q01, q23, 0xDD));
 }
 
-// s[0 .. 8) = dot(q, k[u], D) for eight keys, D a multiple of 8: eight chains of FMAs side by side (a
-// lone dot is one chain of dependent FMAs), each key's sum the very operations of dot()
-template <int64_t D>
-inline void eight_scores(const float* q, const float* const* k, float* s) {
-  __m256 acc[8];
-  for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < D; i += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + i);
-    for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[u] + i), acc[u]);
-  }
-  _mm256_storeu_ps(s, hsum8x8(acc));
-}
-
-template <int64_t D>
-inline void key_scores_of(const float* q, const float* K, const int32_t* vis, int64_t T, float* s) {
+// s[t] = dot(q, K + vis[t] * d, d) for t < T, d a multiple of 8: eight keys at a time, eight chains of FMAs
+// side by side (a lone dot is one chain of dependent FMAs), each key's sum the very operations of dot().
+// Always inlined, so that a call with a constant d gets loops of known length.
+__attribute__((always_inline)) inline void eight_key_scores(const float* q, const float* K, const int32_t* vis,
+                                                            int64_t T, int64_t d, float* s) {
   int64_t t = 0;
   for (; t + 8 <= T; t += 8) {
     const float* k[8];
-    for (int u = 0; u < 8; ++u) k[u] = K + vis[t + u] * D;
-    eight_scores<D>(q, k, s + t);
+    for (int u = 0; u < 8; ++u) k[u] = K + vis[t + u] * d;
+    __m256 acc[8];
+    for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[u] + i), acc[u]);
+    }
+    _mm256_storeu_ps(s + t, hsum8x8(acc));
   }
-  for (; t < T; ++t) s[t] = dot(q, K + vis[t] * D, D);
+  for (; t < T; ++t) s[t] = dot(q, K + vis[t] * d, d);
 }
 
 // s[t] <- s[t] * sc + m[vis[t]] (m may be null: no addition) for t < T, the product rounded before the
@@ -208,30 +204,17 @@ inline float scaled_scores(float* s, int64_t T, float sc, const float* m, const 
   return top;
 }
 
-// s[t] = dot(q, K + vis[t] * d, d) for t < T (eight keys at a time where d is a multiple of 8 up to
-// 256: see eight_scores; the same sums)
+// s[t] = dot(q, K + vis[t] * d, d) for t < T (eight_key_scores where d is a multiple of 8, with the
+// model head sizes as constants; the same sums)
 #define SPECULUM_BLOCKED_ATTENTION
 inline void key_scores(const float* q, const float* K, const int32_t* vis, int64_t T, int64_t d, float* s) {
   switch (d) {
-    case 64: return key_scores_of<64>(q, K, vis, T, s);
-    case 128: return key_scores_of<128>(q, K, vis, T, s);
-    case 256: return key_scores_of<256>(q, K, vis, T, s);
+    case 64: return eight_key_scores(q, K, vis, T, 64, s);
+    case 128: return eight_key_scores(q, K, vis, T, 128, s);
+    case 256: return eight_key_scores(q, K, vis, T, 256, s);
     default: break;
   }
-  if (d % 8 == 0 && d <= 256) {
-    int64_t t = 0;
-    for (; t + 8 <= T; t += 8) {
-      __m256 acc[8];
-      for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < d; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + i);
-        for (int u = 0; u < 8; ++u) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(K + vis[t + u] * d + i), acc[u]);
-      }
-      _mm256_storeu_ps(s + t, hsum8x8(acc));
-    }
-    for (; t < T; ++t) s[t] = dot(q, K + vis[t] * d, d);
-    return;
-  }
+  if (d % 8 == 0) return eight_key_scores(q, K, vis, T, d, s);
   for (int64_t t = 0; t < T; ++t) s[t] = dot(q, K + vis[t] * d, d);
 }
 
