@@ -10,6 +10,7 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 from test_lossless_tiny import NEW, _prompts
 
 from speculum.drafters.ar import AutoregressiveDrafter
@@ -24,6 +25,7 @@ from speculum.engine import Engine
 from speculum.runners import HFRunner
 from speculum.tree import DraftTree
 from speculum.tree_sizing import CostModel, TreeSizer, best_size
+from speculum.verify import Acceptance
 
 DRAFTERS = {
     "suffix": lambda: SuffixDrafter(),
@@ -260,10 +262,6 @@ def test_scored_ngram_chains_learn_their_hit_rates_and_the_sizer_cuts_them():
     """auto's ngram arm scores each chain node by learnt hit rates (each node at most its parent); after
     steps whose first node missed, the next chain scores lower, and a sizer under a steep cost keeps
     less of it than of the fresh chain."""
-    import torch
-
-    from speculum.verify import Acceptance
-
     drafter = NgramDrafter(scored=True)
     drafter.reset([5, 6, 7, 8, 9, 5, 6], None, None)
     tokens = [5, 6, 7, 8, 9, 5, 6]
