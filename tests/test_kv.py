@@ -18,7 +18,8 @@ import torch
 from conftest import TINY_VOCAB, OracleDrafter, tiny_gemma3, tiny_llama
 from kv_lossless import assert_drafters_equal_ar, lookup_prompt
 
-from speculum.attention import Step
+from speculum.attention import AttentionLayout, Step
+from speculum.cache import PositionedKVCache
 from speculum.cache.quantized import pack, quantize, unpack
 from speculum.drafters.ar import AutoregressiveDrafter
 from speculum.engine import Engine
@@ -163,6 +164,32 @@ def test_eviction_keeps_the_budget(spec):
         assert r.kv_bytes == (20 + 60) * per_entry
     else:  # evicts back to the budget once the cache runs `slack` past it
         assert r.kv_bytes == (20 + policy.slack(20) + 1) * per_entry
+
+
+@torch.inference_mode()
+def test_evicted_sliding_layer_reads_from_its_window():
+    """After an eviction a sliding layer's slots no longer equal positions; it still starts reading at
+    the first slot any head holds inside the window, masking what a head holds before it."""
+    torch.manual_seed(3)
+    layout = AttentionLayout(layers=1, heads=4, kv_heads=2, head_dim=8, scale=8 ** -0.5, window=3, sliding=(True,))
+    cache = PositionedKVCache(layout, torch.float32, "cpu", 16)
+    cache.reserve(16)
+    prompt = torch.randn(2, 2, 8, 8)
+    kept = [[0, 2, 5, 6, 7], [1, 3, 4, 5, 7]]
+    cache.store_layer(0, prompt, torch.tensor(kept))
+    cache.length, cache.evicted = 5, 3
+    step = Step(torch.tensor([8, 9]), torch.ones(2, 2, dtype=torch.bool).tril())
+    cache.begin(step.positions)
+    assert cache.window_start(0, True, step) == 3  # positions 6.. : slot 3 in head 0, slot 4 in head 1
+    q, k, v = torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    out = cache.attend_all(0, True, q, k, v, step).view(2, 4, 8)
+    for j in range(4):
+        h = j // 2
+        held = torch.tensor([*kept[h], 8, 9])
+        seen = (held[None, :] > step.positions[:, None] - 3) & (held[None, :] <= step.positions[:, None])
+        keys, values = torch.cat([prompt[0, h, kept[h]], k[:, h]]), torch.cat([prompt[1, h, kept[h]], v[:, h]])
+        want = ((q[:, j] @ keys.T) * layout.scale).masked_fill(~seen, float("-inf")).softmax(-1) @ values
+        torch.testing.assert_close(out[:, j], want)
 
 
 def test_snapkv_keeps_what_the_window_attends():

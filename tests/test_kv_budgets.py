@@ -110,6 +110,31 @@ def test_ragged_cache_sliding_window_reads_slot_positions():
     torch.testing.assert_close(out, _reference(q, keys, values, [torch.ones(1, 3, dtype=torch.bool)] * 2, s.scale))
 
 
+@torch.inference_mode()
+def test_ragged_cache_sliding_layer_reads_from_its_window():
+    """A sliding layer that kept selected positions starts reading at the first slot any head holds
+    inside the window (not at slot 0), and masks what a head holds before it."""
+    torch.manual_seed(2)
+    s = _layout(layers=1, window=3, sliding=(True,))
+    cache = RaggedKVCache(s, torch.float32, "cpu", capacity_hint=10)
+    prompt = torch.randn(2, 2, 8, 8)
+    cache.plan(8, room=2)
+    kept = [[0, 2, 5, 6, 7], [1, 3, 4, 5, 7]]
+    cache.store_layer(0, prompt, torch.tensor(kept))
+    cache.end_prefill()
+    step = Step(torch.tensor([8, 9]), torch.ones(2, 2, dtype=torch.bool).tril())
+    cache.begin(step.positions)
+    # the window holds positions 6.. for these rows: from slot 3 in head 0, slot 4 in head 1
+    assert cache.visible(0, True, step)[0] == 3
+    q, k, v = torch.randn(2, 4, 8), torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    out = cache.attend_all(0, True, q, k, v, step).view(2, 4, 8)
+    keys = [torch.cat([prompt[0, h, kept[h]], k[:, h]]) for h in range(2)]
+    values = [torch.cat([prompt[1, h, kept[h]], v[:, h]]) for h in range(2)]
+    held = [torch.tensor([*row, 8, 9]) for row in kept]
+    visible = [(p[None, :] > step.positions[:, None] - 3) & (p[None, :] <= step.positions[:, None]) for p in held]
+    torch.testing.assert_close(out, _reference(q, keys, values, visible, s.scale))
+
+
 def test_apportion():
     assert apportion([3, 1], 8, 5) == [5, 3]  # 6 capped at 5, the spare to the other
     assert apportion([1, 1, 1], 10, 100) in ([4, 3, 3], [3, 4, 3], [3, 3, 4])

@@ -248,7 +248,7 @@ def test_caches_read_through_the_kernels(monkeypatch, dtype):
         cache.pos[:, 1, :300] += torch.arange(300) // 7 if evicted else 0
         for layer, sliding in ((0, False), (1, True)):
             got = cache.attend_all(layer, sliding, q, k, v, step)
-            start, end = cache.window_start(sliding, step), cache.length + 3
+            start, end = cache.window_start(layer, sliding, step), cache.length + 3
             kv = cache.kv[layer, :, :, start:end]
             want = cache.attend(q, kv[0], kv[1], cache.mask(layer, sliding, step, start))
             torch.testing.assert_close(got.float(), want.float(), **tol)

@@ -148,6 +148,13 @@ def window_start(positions: torch.Tensor, window: int | None) -> int:
     return 0 if window is None else max(0, int(positions.min()) - window + 1)
 
 
+def first_slot_from(held: torch.Tensor, first: int) -> int:
+    """The first slot where any head holds a position ``>= first``: ``held [H_kv, L]`` the positions
+    the slots hold, increasing along ``L`` in every head (kept entries stay in order). ``L`` if none."""
+    # one head at a time: each head's row of a slot buffer is contiguous, a [H_kv, L] slice of it is not
+    return min((int(torch.searchsorted(row, first)) for row in held), default=held.shape[-1])
+
+
 # The static cache's sliding-window layers skip the slots a window behind a step's first row once there
 # are this many (a long prompt's later chunks, long decodes); below it they read them masked, as
 # transformers does, so that short contexts keep transformers' exact logits.

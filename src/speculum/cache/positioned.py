@@ -26,6 +26,7 @@ from ..attention import (
     Step,
     attention,
     attention_probs,
+    first_slot_from,
     grouped,
     in_window,
     visibility,
@@ -160,11 +161,16 @@ class PositionedKVCache(StaticKVCache):
         return block
 
     # -- attention -------------------------------------------------------------------------------
-    def window_start(self, sliding: bool, step: Step) -> int:
-        """First slot a sliding layer needs (0 elsewhere, or once slots no longer equal positions)."""
-        if not sliding or not self.contiguous:
+    def window_start(self, layer: int, sliding: bool, step: Step) -> int:
+        """First slot a sliding layer's new tokens can see (0 on other layers): the window's first
+        position while slots equal positions; after an eviction, the first slot of any head that holds
+        a position inside the window (each head's slots hold increasing positions)."""
+        if not sliding:
             return 0
-        return window_start(step.positions, self.layout.window)
+        lo = window_start(step.positions, self.layout.window)
+        if self.contiguous or lo == 0:
+            return lo
+        return first_slot_from(self.pos[layer, :, : self.length], lo)
 
     def visible(self, layer: int, sliding: bool, step: Step, start: int = 0) -> torch.Tensor | None:
         """Which of slots ``start .. length+n-1`` the new tokens see: bool ``[n, L]`` (the same for every
@@ -193,7 +199,7 @@ class PositionedKVCache(StaticKVCache):
         """Write the new entries and attend over every held slot (a sliding layer over its window)."""
         self.write(layer, k, v)
         end = self.length + step.n
-        start = self.window_start(sliding, step)
+        start = self.window_start(layer, sliding, step)
         # in place (a torch attention over a slice of the buffer copies its keys first), unless a subclass
         # adds to the mask (a bias: Chelsea's merged entries), which the kernel does not take
         ops = kernels_for(q, self.layout.head_dim) if type(self).mask is PositionedKVCache.mask else None

@@ -16,7 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import AttentionLayout, Step, attention_parts, grouped, in_window
+from ..attention import (
+    AttentionLayout,
+    Step,
+    attention_parts,
+    first_slot_from,
+    grouped,
+    in_window,
+    window_start,
+)
 from .positioned import PositionedKVCache
 
 
@@ -75,9 +83,14 @@ class ChannelPrunedKVCache(PositionedKVCache):
         whole = (self.kv[layer, 0, :, :end], self.kv[layer, 1, :, :end], mask, None)
         if self.pk[layer] is None:
             return self.attend(q, whole[0], whole[1], mask)
-        pmask = None
-        if sliding:
-            vis = in_window(self.ppos[layer], step.positions, self.layout.window)  # [H_kv, n, P]
+        pk, pv, pmask = self.pk[layer], self.pv[layer], None
+        if sliding:  # only the prefix's entries from the window's first position on (positions increase)
+            lo = window_start(step.positions, self.layout.window)
+            first = first_slot_from(self.ppos[layer], lo) if lo else 0
+            if first == pk.shape[1]:
+                return self.attend(q, whole[0], whole[1], mask)
+            pk, pv = pk[:, first:], pv[:, first:]
+            vis = in_window(self.ppos[layer][:, first:], step.positions, self.layout.window)  # [H_kv, n, P']
             pmask = None if bool(vis.all()) else grouped(vis, self.layout.group, self.dtype)
-        prefix = (self.pk[layer], self.pv[layer], pmask, self.chan[layer])
+        prefix = (pk, pv, pmask, self.chan[layer])
         return attention_parts(q, [prefix, whole], self.layout.scale, self.layout.softcap)

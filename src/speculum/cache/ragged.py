@@ -40,8 +40,18 @@ from collections.abc import Sequence
 
 import torch
 
-from ..attention import AttentionLayout, Step, attention, grouped, in_window, visibility, window_start
+from ..attention import (
+    AttentionLayout,
+    Step,
+    attention,
+    first_slot_from,
+    grouped,
+    in_window,
+    visibility,
+    window_start,
+)
 from .base import KVCache
+from .kernels import kernels_for, mask3
 from .store import put
 
 Keep = torch.Tensor | Sequence[torch.Tensor] | None  # [H_kv, m] slots, one [m_h] row per head, or all
@@ -221,39 +231,51 @@ class RaggedKVCache(KVCache):
         put(self.kv[layer], self.width(layer), k, v)
 
     # -- attention -------------------------------------------------------------------------------
-    def mask(self, layer: int, sliding: bool, step: Step) -> tuple[int, torch.Tensor | None]:
-        """The first slot read and the additive mask over slots ``start .. width+n-1`` for the folded
-        query rows: ``[g*n, L]`` (a layer that kept the whole prompt, as the plain cache's), or
-        ``[H_kv, g*n, L]`` (padded heads, or a sliding window over selected positions), or None."""
+    def visible(self, layer: int, sliding: bool, step: Step) -> tuple[int, torch.Tensor | None]:
+        """The first slot read and which of slots ``start .. width+n-1`` the new tokens see: bool ``[n, L]``
+        (every head alike: a layer that kept the whole prompt, as the plain cache), ``[H_kv, n, L]``
+        (padded heads, or a sliding window over selected positions), or None (all of them). A sliding
+        layer starts at the first slot any head holds inside the window (unless padded: slots of a
+        padded head are not in position order)."""
         s, w, n = self.layout, self.width(layer), step.n
         window = s.window if sliding else None
         if self.contiguous[layer]:
             start = window_start(step.positions, window)
-            return start, grouped(visibility(w, step.positions, step.new_mask, window, start)[1], s.group, self.dtype)
-        vis = visibility(w, step.positions, step.new_mask, None)[0]  # [n, L] or None
-        pos = self.pos[layer][:, :w + n]  # [H_kv, L]
+            return start, visibility(w, step.positions, step.new_mask, window, start)[1]
+        start = 0
+        if window is not None and not self.padded[layer]:
+            lo = window_start(step.positions, window)
+            start = first_slot_from(self.pos[layer][:, :w], lo) if lo else 0
+        vis = visibility(w, step.positions, step.new_mask, None, start)[0]  # [n, L] or None
+        pos = self.pos[layer][:, start:w + n]  # [H_kv, L]
         heads = []  # per-head rules, each [H_kv, 1 or n, L]
         if self.padded[layer]:
             heads.append((pos >= 0)[:, None, :])
         if window is not None:
             heads.append(in_window(pos, step.positions, window))
         if not heads:
-            return 0, grouped(vis, s.group, self.dtype)
-        full = torch.ones((s.kv_heads, n, w + n), dtype=torch.bool, device=self.device)
+            return start, vis
+        full = torch.ones((s.kv_heads, n, w + n - start), dtype=torch.bool, device=self.device)
         for rule in heads:
             full &= rule
         if vis is not None:
             full &= vis
         if n == 1 and bool(full.all()):
-            return 0, None
-        return 0, grouped(full, s.group, self.dtype)
+            return start, None
+        return start, full
 
     def attend_all(self, layer: int, sliding: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    step: Step) -> torch.Tensor:
         """Write the new entries ``k, v [n, H_kv, d]`` and attend ``q [n, H, d]`` over every held slot of
-        ``layer`` (padding masked; a sliding layer over its window) -> ``[n, H*d]``."""
+        ``layer`` (padding masked; a sliding layer over its window) -> ``[n, H*d]``, read in place by the
+        KV kernels where they serve."""
         self.write(layer, k, v)
-        end = self.width(layer) + step.n
-        start, mask = self.mask(layer, sliding, step)
+        s, w = self.layout, self.width(layer)
+        start, vis = self.visible(layer, sliding, step)
         kv = self.kv[layer]
-        return attention(q, kv[0, :, start:end], kv[1, :, start:end], mask, self.layout.scale, self.layout.softcap)
+        ops = kernels_for(q, s.head_dim)
+        if ops is not None:
+            return ops.slot_attend(q, kv[0], kv[1], None, start, w, step.n, mask3(vis), s.scale, s.softcap or 0.0)
+        end = w + step.n
+        return attention(q, kv[0, :, start:end], kv[1, :, start:end], grouped(vis, s.group, self.dtype), s.scale,
+                         s.softcap)
