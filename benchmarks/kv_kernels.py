@@ -58,8 +58,13 @@ def query_rows(specs: list[str], budget: str, n: int) -> torch.Tensor | None:
     None where none reads queries."""
     from speculum.kv import make_policy
 
-    rows = [p.query_rows(n) for p in (make_policy(s, budget) for s in specs)
-            if p is not None and p.prefill_scores == "queries"]
+    policies = [(s, make_policy(s, budget)) for s in specs]
+    for spec, p in policies:
+        if p is not None and p.prefill_scores not in (None, "queries"):
+            raise SystemExit(f"{spec}'s prefill needs the prompt's {p.prefill_scores!r} attention scores, which this "
+                             "benchmark's shared prefill does not compute (it gives prompt queries only): measure it "
+                             "with `speculum longctx`")
+    rows = [p.query_rows(n) for _, p in policies if p is not None and p.prefill_scores == "queries"]
     if any(not torch.equal(r, rows[0]) for r in rows):
         raise SystemExit("the policies read the queries of different prompt rows: compare them in separate runs")
     return rows[0] if rows else None
