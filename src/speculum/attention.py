@@ -148,9 +148,14 @@ def window_start(positions: torch.Tensor, window: int | None) -> int:
     return 0 if window is None else max(0, int(positions.min()) - window + 1)
 
 
-def first_slot_from(held: torch.Tensor, first: int) -> int:
-    """The first slot where any head holds a position ``>= first``: ``held [H_kv, L]`` the positions
-    the slots hold, increasing along ``L`` in every head (kept entries stay in order). ``L`` if none."""
+def window_first_slot(held: torch.Tensor, positions: torch.Tensor, window: int | None) -> int:
+    """:func:`window_start` where slots no longer equal positions: the first slot where any head holds
+    a position the queries at ``positions [n]`` still see through ``window`` (``L`` if none; 0 without
+    a window). ``held [H_kv, L]``: the positions the slots hold, increasing along ``L`` in every head
+    (selected entries stay in order)."""
+    first = window_start(positions, window)
+    if first == 0:
+        return 0
     # one head at a time: each head's row of a slot buffer is contiguous, a [H_kv, L] slice of it is not
     return min((int(torch.searchsorted(row, first)) for row in held), default=held.shape[-1])
 

@@ -26,10 +26,10 @@ from ..attention import (
     Step,
     attention,
     attention_probs,
-    first_slot_from,
     grouped,
     in_window,
     visibility,
+    window_first_slot,
     window_start,
 )
 from .kernels import kernels_for, mask3
@@ -167,10 +167,9 @@ class PositionedKVCache(StaticKVCache):
         a position inside the window (each head's slots hold increasing positions)."""
         if not sliding:
             return 0
-        lo = window_start(step.positions, self.layout.window)
-        if self.contiguous or lo == 0:
-            return lo
-        return first_slot_from(self.pos[layer, :, : self.length], lo)
+        if self.contiguous:
+            return window_start(step.positions, self.layout.window)
+        return window_first_slot(self.pos[layer, :, : self.length], step.positions, self.layout.window)
 
     def visible(self, layer: int, sliding: bool, step: Step, start: int = 0) -> torch.Tensor | None:
         """Which of slots ``start .. length+n-1`` the new tokens see: bool ``[n, L]`` (the same for every

@@ -20,10 +20,9 @@ from ..attention import (
     AttentionLayout,
     Step,
     attention_parts,
-    first_slot_from,
     grouped,
     in_window,
-    window_start,
+    window_first_slot,
 )
 from .positioned import PositionedKVCache
 
@@ -85,8 +84,7 @@ class ChannelPrunedKVCache(PositionedKVCache):
             return self.attend(q, whole[0], whole[1], mask)
         pk, pv, pmask = self.pk[layer], self.pv[layer], None
         if sliding:  # only the prefix's entries from the window's first position on (positions increase)
-            lo = window_start(step.positions, self.layout.window)
-            first = first_slot_from(self.ppos[layer], lo) if lo else 0
+            first = window_first_slot(self.ppos[layer], step.positions, self.layout.window)
             if first == pk.shape[1]:
                 return self.attend(q, whole[0], whole[1], mask)
             pk, pv = pk[:, first:], pv[:, first:]

@@ -44,10 +44,10 @@ from ..attention import (
     AttentionLayout,
     Step,
     attention,
-    first_slot_from,
     grouped,
     in_window,
     visibility,
+    window_first_slot,
     window_start,
 )
 from .base import KVCache
@@ -242,10 +242,7 @@ class RaggedKVCache(KVCache):
         if self.contiguous[layer]:
             start = window_start(step.positions, window)
             return start, visibility(w, step.positions, step.new_mask, window, start)[1]
-        start = 0
-        if window is not None and not self.padded[layer]:
-            lo = window_start(step.positions, window)
-            start = first_slot_from(self.pos[layer][:, :w], lo) if lo else 0
+        start = 0 if self.padded[layer] else window_first_slot(self.pos[layer][:, :w], step.positions, window)
         vis = visibility(w, step.positions, step.new_mask, None, start)[0]  # [n, L] or None
         pos = self.pos[layer][:, start:w + n]  # [H_kv, L]
         heads = []  # per-head rules, each [H_kv, 1 or n, L]
